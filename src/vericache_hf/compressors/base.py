@@ -1,0 +1,96 @@
+"""The one compressor interface, and the score-then-gather base that token-dropping methods share.
+
+A compressor turns a layer's full K/V after prefill (plus whatever it needs, such as the attention module and its
+input hidden states) into a `DraftStore`: the draft tier of that layer. The store also decides how newly committed
+tokens enter it: appended, windowed, or quantized.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..cache.draft_tier import DraftStore, TokenStore
+
+
+@dataclass
+class CompressionContext:
+    """What a compressor may read when it builds one layer's draft tier at prefill.
+
+    `valid` is (B, T) bool, False on left padding. `module`, `hidden_states` (B, T, hidden) and `attention_kwargs`
+    (the attention layer's own forward kwargs, `position_embeddings` included) are set only for compressors whose
+    `needs_hidden_states` is True.
+    """
+
+    layer_idx: int
+    valid: torch.Tensor
+    module: nn.Module | None = None
+    hidden_states: torch.Tensor | None = None
+    attention_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def check_ratio(name: str, compression_ratio: float) -> None:
+    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)):
+        raise TypeError(f"{name}.compression_ratio must be a number, got {type(compression_ratio).__name__}.")
+    if not 0.0 <= compression_ratio < 1.0:
+        raise ValueError(
+            f"{name}.compression_ratio must be in [0, 1): the fraction of the KV cache to remove "
+            f"(0.75 keeps a quarter). Got {compression_ratio}."
+        )
+
+
+class Compressor(ABC):
+    """Builds a layer's draft tier from its exact K/V. Subclasses are dataclasses holding their parameters."""
+
+    #: Set to True when `compress` reads `context.module` / `context.hidden_states` (e.g. query-aware scoring).
+    needs_hidden_states: ClassVar[bool] = False
+
+    @abstractmethod
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
+        """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
+
+
+@dataclass
+class ScorerCompressor(Compressor):
+    """Token dropping by score: keep the `1 - compression_ratio` share of tokens that score highest, per head.
+
+    A subclass implements `score`; this base masks padding, takes the top-k per (row, head), keeps the kept tokens in
+    their original order and builds the store (`make_store`, appending committed tokens by default).
+    """
+
+    compression_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_ratio(type(self).__name__, self.compression_ratio)
+
+    @abstractmethod
+    def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
+        """(B, H_kv, T) importance of each token; higher is kept."""
+
+    def kept_tokens(self, length: int) -> int:
+        return max(1, math.ceil(length * (1.0 - self.compression_ratio)))
+
+    def make_store(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> DraftStore:
+        return TokenStore(keys, values, valid)
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
+        length = keys.shape[-2]
+        kept = self.kept_tokens(length)
+        valid = context.valid.to(keys.device)
+        if kept >= length:
+            return self.make_store(keys, values, valid)
+        scores = self.score(keys, values, context).float()
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        indices = scores.topk(kept, dim=-1).indices.sort(dim=-1).values  # (B, H, kept)
+        gather = indices.unsqueeze(-1)
+        kept_keys = keys.gather(2, gather.expand(-1, -1, -1, keys.shape[-1]))
+        kept_values = values.gather(2, gather.expand(-1, -1, -1, values.shape[-1]))
+        # Padding is only kept when a row holds fewer real tokens than the budget; it sorts first in every head
+        # (left padding), so the validity of a slot is the same across heads.
+        kept_valid = valid.gather(1, indices[:, 0])
+        return self.make_store(kept_keys, kept_values, kept_valid)

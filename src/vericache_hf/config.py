@@ -1,0 +1,79 @@
+"""`VeriCacheConfig`: every knob of VeriCache decoding in one checked dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DRAFT_SCHEDULES = ("adaptive", "fixed")
+
+
+@dataclass
+class VeriCacheConfig:
+    """How VeriCache drafts and verifies.
+
+    Parameters:
+        compressor: the lossy method that builds the draft tier. A name (`"streaming_llm"`, `"snapkv"`, `"kivi"`,
+            see `vericache_hf.compressors.available_compressors()`) or a `Compressor` instance.
+        compression_ratio: the fraction of the KV cache removed, as in kvpress (0.75 keeps a quarter of the
+            tokens; a quantizer maps it to a bit width relative to 16-bit storage: 0.75 is 4-bit).
+        compressor_kwargs: extra arguments for a compressor given by name (e.g. `{"bits": 2}` for `"kivi"`).
+        draft_length: tokens drafted per round. With the adaptive schedule it is the starting length.
+        draft_schedule: `"adaptive"` (lengthens the draft while rounds are fully accepted, shortens it after early
+            rejections) or `"fixed"`.
+        min_draft_length / max_draft_length: bounds of the adaptive schedule.
+        stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
+    """
+
+    compressor: Any = "snapkv"
+    compression_ratio: float = 0.75
+    compressor_kwargs: dict[str, Any] = field(default_factory=dict)
+    draft_length: int = 8
+    draft_schedule: str = "adaptive"
+    min_draft_length: int = 2
+    max_draft_length: int = 64
+    stats: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.compression_ratio, (int, float)) or not 0.0 <= self.compression_ratio < 1.0:
+            raise ValueError(
+                f"compression_ratio must be a fraction in [0, 1) of the KV cache to remove (0.75 keeps a quarter), "
+                f"got {self.compression_ratio!r}."
+            )
+        if self.draft_schedule not in DRAFT_SCHEDULES:
+            raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
+        for name in ("draft_length", "min_draft_length", "max_draft_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.min_draft_length > self.max_draft_length:
+            raise ValueError(
+                f"min_draft_length ({self.min_draft_length}) must not exceed max_draft_length "
+                f"({self.max_draft_length})."
+            )
+        if self.draft_schedule == "adaptive" and not (
+            self.min_draft_length <= self.draft_length <= self.max_draft_length
+        ):
+            raise ValueError(
+                f"draft_length ({self.draft_length}) must lie within [min_draft_length, max_draft_length] = "
+                f"[{self.min_draft_length}, {self.max_draft_length}] for the adaptive schedule."
+            )
+
+    @classmethod
+    def from_any(cls, value: VeriCacheConfig | dict[str, Any] | None) -> VeriCacheConfig:
+        """Accept a config, a plain dict (as stored in a `GenerationConfig`) or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"vericache_config must be a VeriCacheConfig or a dict, got {type(value).__name__}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict, for saving inside `generation_config` (compressor objects are kept by repr)."""
+        data = asdict(self)
+        data.pop("stats")
+        if not isinstance(self.compressor, str):
+            data["compressor"] = repr(self.compressor)
+        return data

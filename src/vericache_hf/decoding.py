@@ -1,0 +1,150 @@
+"""`generate`: the VeriCache decoding method, in the form transformers calls a `custom_generate` callable.
+
+`model.generate(..., custom_generate=vericache_hf.generate, vericache_config=...)` runs all of stock generate's
+preparation (config merge, masks, positions, processors, stopping criteria) and then this function.
+`generation_mode="vericache"` (see `registration.py`) arrives here the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache.vericache import VeriCache
+from .compressors import CompressionContext, build_compressor
+from .config import VeriCacheConfig
+from .draft_length import DraftLengthSchedule
+from .loop import DecodeIO, Sequences, decode
+from .stats import VeriCacheStats
+from .validation import check_generation, check_model
+
+
+@dataclass
+class VeriCacheGenerateOutput(GenerateDecoderOnlyOutput):
+    """Stock `GenerateDecoderOnlyOutput` plus what the VeriCache run measured."""
+
+    vericache_stats: VeriCacheStats | None = None
+
+
+def resolve_config(vericache_config: Any, generation_config: GenerationConfig | None) -> VeriCacheConfig:
+    """The call's `vericache_config`, else one saved in `generation_config.vericache_config`, else defaults."""
+    if vericache_config is None and generation_config is not None:
+        vericache_config = getattr(generation_config, "vericache_config", None)
+    return VeriCacheConfig.from_any(vericache_config)
+
+
+def _stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """Per-row lists of (V,) tensors -> one (B, V) tensor per step, rows that stopped earlier padded with zeros."""
+    steps = max(len(row) for row in per_row)
+    template = next(t for row in per_row for t in row)
+    return tuple(
+        torch.stack([row[step] if step < len(row) else torch.zeros_like(template) for row in per_row])
+        for step in range(steps)
+    )
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    generation_config: GenerationConfig | None = None,
+    synced_gpus: bool = False,
+    streamer=None,
+    vericache_config: VeriCacheConfig | dict | None = None,
+    vericache_streamer=None,
+    **model_kwargs,
+) -> torch.LongTensor | VeriCacheGenerateOutput:
+    """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s."""
+    generation_config = generation_config or model.generation_config
+    config = resolve_config(vericache_config, generation_config)
+    check_model(model)
+    check_generation(model, input_ids, generation_config, model_kwargs)
+    streamer = vericache_streamer if vericache_streamer is not None else streamer
+
+    stats = VeriCacheStats()
+    compressor = build_compressor(config.compressor, config.compression_ratio, **config.compressor_kwargs)
+    cache = VeriCache(model.config.num_hidden_layers, compressor, stats=stats)
+    pad = generation_config._pad_token_tensor
+    io = DecodeIO(
+        logits_processor=logits_processor or LogitsProcessorList(),
+        stopping_criteria=stopping_criteria or StoppingCriteriaList(),
+        max_length=generation_config.max_length,
+        pad_token_id=int(pad) if pad is not None else 0,
+        streamer=streamer,
+        keep_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
+        keep_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+    )
+    with _capture_layer_inputs(model, cache, enabled=compressor.needs_hidden_states):
+        seqs = decode(
+            model,
+            cache,
+            input_ids,
+            model_kwargs.get("attention_mask"),
+            model_kwargs.get("position_ids"),
+            io,
+            DraftLengthSchedule(config),
+        )
+    if streamer is not None:
+        streamer.end()
+    if config.stats is not None:
+        config.stats.merge(stats)
+    return _outputs(seqs, generation_config, cache, stats)
+
+
+def _outputs(seqs: Sequences, generation_config: GenerationConfig, cache: VeriCache, stats: VeriCacheStats):
+    sequences = seqs.tokens[:, : max(seqs.lengths)]
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return VeriCacheGenerateOutput(
+        sequences=sequences,
+        scores=_stack_steps(seqs.scores) if generation_config.output_scores else None,
+        logits=_stack_steps(seqs.raw_logits) if generation_config.output_logits else None,
+        past_key_values=cache,
+        vericache_stats=stats,
+    )
+
+
+class _capture_layer_inputs:
+    """During prefill, hand each attention layer's input (hidden states and kwargs) to its cache layer, for
+    compressors that score with queries (SnapKV). Hooks are removed on exit, even on error."""
+
+    def __init__(self, model, cache: VeriCache, enabled: bool) -> None:
+        self.model, self.cache, self.enabled = model, cache, enabled
+        self.handles: list = []
+
+    def _hook(self, module, args, kwargs):
+        if self.cache.mode != "prefill":
+            return
+        hidden = args[0] if args else kwargs["hidden_states"]
+        layer = self.cache.layers[module.layer_idx]
+        layer.context = CompressionContext(
+            layer_idx=module.layer_idx,
+            valid=self.cache.prompt_valid,
+            module=module,
+            hidden_states=hidden,
+            attention_kwargs=kwargs,
+        )
+
+    def __enter__(self):
+        if self.enabled:
+            for module in self.model.modules():
+                if hasattr(module, "q_proj") and hasattr(module, "layer_idx"):
+                    self.handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
+            if len(self.handles) != self.model.config.num_hidden_layers:
+                self.__exit__()
+                raise ValueError(
+                    "This compressor scores tokens with the layer's queries, but the model's attention modules "
+                    "(with q_proj and layer_idx) were not all found. Use a query-free compressor such as 'kivi' "
+                    "or 'streaming_llm'."
+                )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

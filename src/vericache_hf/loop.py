@@ -1,0 +1,190 @@
+"""The VeriCache decoding loop: prefill -> (draft -> verify -> accept -> commit) until every row stops.
+
+Invariant between rounds: both tiers hold every committed token except each row's last one (`pending`), which is
+the first input of the next round. A round drafts k tokens on the draft tier, verifies [pending + k drafts] in one
+forward pass on the full tier, emits the accepted drafts plus the verifier's bonus token, and commits the exact K/V
+of [pending + accepted drafts] to both tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from .cache.vericache import VeriCache
+from .draft_length import DraftLengthSchedule
+from .verify import accepted_lengths
+
+
+@dataclass
+class Sequences:
+    """Per-row token buffers: each row grows by its own accepted count. Rows start with the (left-padded) prompt,
+    as stock `generate`'s `input_ids` do, so processors and stopping criteria see the same prefixes."""
+
+    tokens: torch.Tensor  # (B, capacity)
+    lengths: list[int]
+    unfinished: list[bool]
+    scores: list[list[torch.Tensor]] = field(default_factory=list)
+    raw_logits: list[list[torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, input_ids: torch.Tensor, max_length: int, pad_token_id: int) -> Sequences:
+        batch, prompt = input_ids.shape
+        tokens = input_ids.new_full((batch, max(max_length, prompt)), pad_token_id)
+        tokens[:, :prompt] = input_ids
+        return cls(tokens, [prompt] * batch, [True] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)])
+
+    def prefix(self, row: int) -> torch.Tensor:
+        return self.tokens[row : row + 1, : self.lengths[row]]
+
+
+@dataclass
+class DecodeIO:
+    """What `generate` prepared and the loop uses to choose, stop and report tokens."""
+
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+    max_length: int
+    pad_token_id: int
+    streamer: object | None = None
+    keep_scores: bool = False
+    keep_logits: bool = False
+
+
+def process(io: DecodeIO, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to (B, V) logits, row b seeing `prefixes[b]` (1, L_b) as its input_ids."""
+    if not io.logits_processor:
+        return logits
+    if len({p.shape[-1] for p in prefixes}) == 1:
+        return io.logits_processor(torch.cat(prefixes), logits)
+    return torch.cat([io.logits_processor(p, logits[i : i + 1]) for i, p in enumerate(prefixes)])
+
+
+def forward(model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier `cache.mode` selects."""
+    query = tokens.shape[-1]
+    position_ids = positions[:, None] + torch.arange(query, device=positions.device)
+    outputs = model(
+        input_ids=tokens,
+        position_ids=position_ids,
+        attention_mask=cache.attention_mask(query),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=query,
+    )
+    return outputs.logits[:, -query:]
+
+
+def emit(io: DecodeIO, seqs: Sequences, row: int, token: torch.Tensor, scores, raw) -> bool:
+    """Append one token to a row, report it, and check the stopping criteria on the new prefix. True = row stops."""
+    at = seqs.lengths[row]
+    seqs.tokens[row, at] = token
+    seqs.lengths[row] = at + 1
+    if io.keep_scores:
+        seqs.scores[row].append(scores)
+    if io.keep_logits:
+        seqs.raw_logits[row].append(raw)
+    if io.streamer is not None:
+        io.streamer.put(token.reshape(1).cpu())
+    stop = bool(io.stopping_criteria(seqs.prefix(row), scores[None]).any()) if io.stopping_criteria else False
+    stop = stop or seqs.lengths[row] >= io.max_length
+    if stop:
+        seqs.unfinished[row] = False
+    return stop
+
+
+def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, seqs: Sequences):
+    """Run the prompt once on the full tier (the compressor builds the draft tier as each layer's K/V arrive);
+    emit the first token. Returns the (B,) pending tokens and their positions."""
+    prompt_valid = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    cache.start(prompt_valid)
+    outputs = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    raw = outputs.logits[:, -1].float()
+    scores = process(io, [seqs.prefix(b) for b in range(input_ids.shape[0])], raw)
+    first = scores.argmax(dim=-1)
+    for row in range(input_ids.shape[0]):
+        emit(io, seqs, row, first[row], scores[row], raw[row])
+    cache.mode = "draft"
+    return first, prompt_valid.long().sum(dim=-1)
+
+
+def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences) -> torch.Tensor:
+    """k greedy steps on the draft tier; returns (B, k) drafted tokens."""
+    cache.set_mode("draft")
+    drafts = pending.new_empty((pending.shape[0], k))
+    token = pending
+    for step in range(k):
+        logits = forward(model, cache, token[:, None], positions + step)[:, -1].float()
+        if io.logits_processor:
+            prefixes = [torch.cat([seqs.prefix(b)[0], drafts[b, :step]])[None] for b in range(len(seqs.lengths))]
+            logits = process(io, prefixes, logits)
+        token = drafts[:, step] = logits.argmax(dim=-1)
+    return drafts
+
+
+def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
+    """One pass over [pending + drafts] on the full tier; returns raw logits, processed scores and the verifier's
+    greedy choice at each of the k+1 positions."""
+    cache.set_mode("verify")
+    block = torch.cat([pending[:, None], drafts], dim=-1)
+    raw = forward(model, cache, block, positions).float()  # (B, k+1, V)
+    if not io.logits_processor:
+        return raw, raw, raw.argmax(dim=-1)
+    scores = torch.empty_like(raw)
+    for step in range(block.shape[-1]):
+        prefixes = [torch.cat([seqs.prefix(b)[0], drafts[b, :step]])[None] for b in range(len(seqs.lengths))]
+        scores[:, step] = process(io, prefixes, raw[:, step])
+    return raw, scores, scores.argmax(dim=-1)
+
+
+def decode(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, schedule: DraftLengthSchedule):
+    """Run VeriCache decoding to the end; returns the per-row `Sequences`."""
+    stats = cache.stats
+    seqs = Sequences.start(input_ids, io.max_length, io.pad_token_id)
+    started = time.perf_counter()
+    pending, positions = prefill(model, cache, input_ids, attention_mask, position_ids, io, seqs)
+    stats.prefill_seconds += time.perf_counter() - started
+    stats.emitted_tokens += input_ids.shape[0]
+    while any(seqs.unfinished):
+        active = [b for b, alive in enumerate(seqs.unfinished) if alive]
+        room = max(io.max_length - seqs.lengths[b] for b in active)
+        k = max(0, min(schedule.current, room - 1))
+
+        started = time.perf_counter()
+        drafts = draft(model, cache, pending, positions, k, io, seqs) if k else pending.new_empty((len(pending), 0))
+        stats.draft_seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        raw, scores, targets = verify(model, cache, pending, positions, drafts, io, seqs)
+        stats.verify_seconds += time.perf_counter() - started
+
+        accepted = accepted_lengths(drafts, targets).tolist()
+        for b in active:
+            for step in range(accepted[b] + 1):
+                stats.emitted_tokens += 1
+                if emit(io, seqs, b, targets[b, step], scores[b, step], raw[b, step]):
+                    break
+        if k:
+            stats.record_round(k, [accepted[b] for b in active])
+            schedule.update(k, sum(accepted[b] for b in active) / len(active))
+        if not any(seqs.unfinished):
+            break
+        counts = torch.tensor([accepted[b] + 1 if b in active else 0 for b in range(len(accepted))])
+        width = int(counts.max())
+        valid = torch.arange(width)[None, :] < counts[:, None]
+        cache.commit(width, valid)
+        index = (counts - 1).clamp(min=0).to(targets.device)
+        pending = targets.gather(1, index[:, None])[:, 0]
+        positions = positions + counts.to(positions.device)
+    stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
+    stats.full_tier_bytes = max(stats.full_tier_bytes, cache.full_tier_bytes())
+    return seqs

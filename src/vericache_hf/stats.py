@@ -1,0 +1,65 @@
+"""`VeriCacheStats`: what one or more VeriCache runs measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class VeriCacheStats:
+    """Counters of a VeriCache run. Pass one in `VeriCacheConfig(stats=...)` to accumulate over several calls.
+
+    Tokens are counted per batch row: a round over 4 rows that accepts 3, 5, 0 and 7 drafts adds 15 to
+    `accepted_tokens` and 4 to `row_rounds`.
+    """
+
+    rounds: int = 0
+    row_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    bytes_to_device: int = 0
+    bytes_to_host: int = 0
+    draft_tier_bytes: int = 0
+    full_tier_bytes: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accepted_per_round: list[float] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        """Accepted draft tokens per row and round (the bonus token is not counted)."""
+        return self.accepted_tokens / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def record_round(self, draft_length: int, accepted: list[int]) -> None:
+        self.rounds += 1
+        self.row_rounds += len(accepted)
+        self.drafted_tokens += draft_length * len(accepted)
+        self.accepted_tokens += sum(accepted)
+        self.accepted_per_round.append(sum(accepted) / len(accepted) if accepted else 0.0)
+        self.draft_lengths.append(draft_length)
+
+    def merge(self, other: VeriCacheStats) -> None:
+        """Add another run's counters into this one (tier sizes keep the larger value)."""
+        for item in fields(self):
+            mine, theirs = getattr(self, item.name), getattr(other, item.name)
+            if item.name.endswith("tier_bytes"):
+                setattr(self, item.name, max(mine, theirs))
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, item.name, mine + theirs)
+
+    def summary(self) -> dict[str, float]:
+        """Flat numbers for printing or JSON."""
+        data = {item.name: getattr(self, item.name) for item in fields(self) if not item.name.endswith("_round")}
+        data.pop("draft_lengths")
+        data["mean_accepted_per_round"] = round(self.mean_accepted_per_round, 3)
+        data["acceptance_rate"] = round(self.acceptance_rate, 3)
+        return data

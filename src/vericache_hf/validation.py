@@ -1,0 +1,69 @@
+"""Checks that a model and a `generate` call can be served exactly, with errors that say why not and what to do."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+from transformers.cache_utils import Cache
+
+#: Decoder-only families whose attention applies RoPE before the cache update and uses full attention in every
+#: layer; these are tested for exactness against stock `generate`.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_model(model) -> None:
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"VeriCache serves decoder-only models; {type(model).__name__} is an encoder-decoder model. "
+            "Use stock generate() for it."
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"VeriCache does not support model_type={model_type!r} yet: exactness is only verified for "
+            f"{SUPPORTED_MODEL_TYPES} (full attention in every layer, RoPE applied before the cache). "
+            "Use stock generate() for this model."
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    odd = sorted({kind for kind in layer_types if kind != "full_attention"})
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if odd or sliding:
+        what = f"layer types {odd}" if odd else f"sliding_window={config.sliding_window}"
+        raise ValueError(
+            f"VeriCache needs full attention in every layer, but this {model_type} model uses {what}: a sliding-window "
+            "or non-attention layer cannot be verified against a full KV cache. Use a config without it "
+            "(e.g. sliding_window=None) or stock generate()."
+        )
+
+
+def check_generation(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    if input_ids.ndim != 2 or input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"VeriCache needs a non-empty prompt of shape (batch, length); got shape {tuple(input_ids.shape)}. "
+            "Give at least one token (for example the BOS token)."
+        )
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[-1] > limit:
+        raise ValueError(
+            f"The prompt has {input_ids.shape[-1]} tokens but this model allows at most {limit} positions "
+            "(config.max_position_embeddings). Shorten the prompt."
+        )
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            f"VeriCache does not do beam search (num_beams={generation_config.num_beams}); set num_beams=1, "
+            "or drop generation_mode='vericache'."
+        )
+    if generation_config.use_cache is False:
+        raise ValueError("VeriCache is a KV-cache method and needs use_cache=True; remove use_cache=False.")
+    if generation_config.do_sample:
+        raise ValueError(
+            "VeriCache does not sample yet: pass do_sample=False (greedy) or drop generation_mode='vericache'. "
+            "It never falls back to a lossy mode."
+        )
+    cache = model_kwargs.get("past_key_values")
+    if isinstance(cache, Cache) and (cache.get_seq_length() > 0 or type(cache).__name__ != "DynamicCache"):
+        raise ValueError(
+            f"VeriCache builds its own two-tier cache; a {type(cache).__name__} was passed in past_key_values. "
+            "Remove past_key_values (and cache_implementation) from the call."
+        )
