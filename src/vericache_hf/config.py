@@ -14,9 +14,12 @@ class VeriCacheConfig:
 
     Parameters:
         compressor: the lossy method that builds the draft tier. A name (`"streaming_llm"`, `"snapkv"`, `"kivi"`,
-            see `vericache_hf.compressors.available_compressors()`) or a `Compressor` instance.
+            see `vericache_hf.compressors.available_compressors()`), a `Compressor` instance, a kvpress press, or a
+            list of these applied in order (token dropping first, e.g. `["snapkv", "kivi"]`).
         compression_ratio: the fraction of the KV cache removed, as in kvpress (0.75 keeps a quarter of the
             tokens; a quantizer maps it to a bit width relative to 16-bit storage: 0.75 is 4-bit).
+        compression_budget: tokens kept per layer by a token-dropping compressor given by name (or a press),
+            instead of the ratio. None uses the ratio.
         compressor_kwargs: extra arguments for a compressor given by name (e.g. `{"bits": 2}` for `"kivi"`).
         draft_length: tokens drafted per round. With the adaptive schedule it is the starting length.
         draft_schedule: `"adaptive"` (lengthens the draft while rounds are fully accepted, shortens it after early
@@ -27,6 +30,7 @@ class VeriCacheConfig:
 
     compressor: Any = "snapkv"
     compression_ratio: float = 0.75
+    compression_budget: int | None = None
     compressor_kwargs: dict[str, Any] = field(default_factory=dict)
     draft_length: int = 8
     draft_schedule: str = "adaptive"
@@ -40,6 +44,9 @@ class VeriCacheConfig:
                 f"compression_ratio must be a fraction in [0, 1) of the KV cache to remove (0.75 keeps a quarter), "
                 f"got {self.compression_ratio!r}."
             )
+        budget = self.compression_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"compression_budget must be a positive number of tokens or None, got {budget!r}.")
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
         for name in ("draft_length", "min_draft_length", "max_draft_length"):

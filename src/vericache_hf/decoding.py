@@ -59,7 +59,11 @@ def generate(
     vericache_streamer=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:
-    """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s."""
+    """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s, and
+    sampled output is distributed as stock sampling's (speculative sampling).
+
+    `vericache_streamer` is the streamer under a name that survives transformers' `custom_generate` path (which
+    drops `streamer`); `registration.vericache_generate` passes it, after stock generate streamed the prompt."""
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
@@ -67,7 +71,9 @@ def generate(
     streamer = vericache_streamer if vericache_streamer is not None else streamer
 
     stats = VeriCacheStats()
-    compressor = build_compressor(config.compressor, config.compression_ratio, **config.compressor_kwargs)
+    compressor = build_compressor(
+        config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
+    )
     cache = VeriCache(model.config.num_hidden_layers, compressor, stats=stats)
     pad = generation_config._pad_token_tensor
     io = DecodeIO(
@@ -75,6 +81,7 @@ def generate(
         stopping_criteria=stopping_criteria or StoppingCriteriaList(),
         max_length=generation_config.max_length,
         pad_token_id=int(pad) if pad is not None else 0,
+        do_sample=bool(generation_config.do_sample),
         streamer=streamer,
         keep_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keep_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
@@ -125,6 +132,7 @@ class _capture_layer_inputs:
         layer.context = CompressionContext(
             layer_idx=module.layer_idx,
             valid=self.cache.prompt_valid,
+            model=self.model,
             module=module,
             hidden_states=hidden,
             attention_kwargs=kwargs,

@@ -3,7 +3,8 @@
 Invariant between rounds: both tiers hold every committed token except each row's last one (`pending`), which is
 the first input of the next round. A round drafts k tokens on the draft tier, verifies [pending + k drafts] in one
 forward pass on the full tier, emits the accepted drafts plus the verifier's bonus token, and commits the exact K/V
-of [pending + accepted drafts] to both tiers.
+of [pending + accepted drafts] to both tiers. Greedy rounds keep drafts equal to the verifier's argmax; sampling
+rounds use speculative sampling, so either way the output is distributed as stock `generate`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .cache.vericache import VeriCache
 from .draft_length import DraftLengthSchedule
-from .verify import accepted_lengths
+from .verify import choose, greedy_accept, speculative_accept
 
 
 @dataclass
@@ -35,7 +36,9 @@ class Sequences:
         batch, prompt = input_ids.shape
         tokens = input_ids.new_full((batch, max(max_length, prompt)), pad_token_id)
         tokens[:, :prompt] = input_ids
-        return cls(tokens, [prompt] * batch, [True] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)])
+        return cls(
+            tokens, [prompt] * batch, [True] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)]
+        )
 
     def prefix(self, row: int) -> torch.Tensor:
         return self.tokens[row : row + 1, : self.lengths[row]]
@@ -49,18 +52,29 @@ class DecodeIO:
     stopping_criteria: StoppingCriteriaList
     max_length: int
     pad_token_id: int
+    do_sample: bool = False
     streamer: object | None = None
     keep_scores: bool = False
     keep_logits: bool = False
 
 
-def process(io: DecodeIO, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
-    """Apply the logits processors to (B, V) logits, row b seeing `prefixes[b]` (1, L_b) as its input_ids."""
+def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to (B, V) logits for the position after each row's prefix plus `drafts` (B, s),
+    exactly the input_ids stock `generate` would hold there.
+
+    Processors may keep per-row state indexed by batch position (the repetition penalty's prompt lengths), so
+    each call sees the whole batch: one call per distinct row length, keeping the rows of that length."""
     if not io.logits_processor:
         return logits
-    if len({p.shape[-1] for p in prefixes}) == 1:
-        return io.logits_processor(torch.cat(prefixes), logits)
-    return torch.cat([io.logits_processor(p, logits[i : i + 1]) for i, p in enumerate(prefixes)])
+    drafts = drafts.to(seqs.tokens.device)
+    lengths = torch.tensor(seqs.lengths, device=logits.device)
+    scores = None
+    for length in sorted(set(seqs.lengths)):
+        prefixes = torch.cat([seqs.tokens[:, :length], drafts], dim=-1)
+        processed = io.logits_processor(prefixes, logits.clone())
+        rows = (lengths == length)[:, None]
+        scores = processed if scores is None else torch.where(rows, processed, scores)
+    return scores
 
 
 def forward(model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -110,44 +124,63 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
         logits_to_keep=1,
     )
     raw = outputs.logits[:, -1].float()
-    scores = process(io, [seqs.prefix(b) for b in range(input_ids.shape[0])], raw)
-    first = scores.argmax(dim=-1)
+    scores = process(io, seqs, input_ids[:, :0], raw)
+    first = choose(scores, io.do_sample)
     for row in range(input_ids.shape[0]):
         emit(io, seqs, row, first[row], scores[row], raw[row])
     cache.mode = "draft"
     return first, prompt_valid.long().sum(dim=-1)
 
 
-def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences) -> torch.Tensor:
-    """k greedy steps on the draft tier; returns (B, k) drafted tokens."""
+def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
+    """k steps on the draft tier, choosing from the processed draft distribution as stock `generate` would;
+    returns (B, k) drafted tokens and, when sampling, their (B, k, V) draft probabilities."""
+    cache.prefetch_for_verify(k + 1)  # the full tier's first layers copy to the device while the draft runs
     cache.set_mode("draft")
     drafts = pending.new_empty((pending.shape[0], k))
+    probs = [] if io.do_sample else None
     token = pending
     for step in range(k):
         logits = forward(model, cache, token[:, None], positions + step)[:, -1].float()
-        if io.logits_processor:
-            prefixes = [torch.cat([seqs.prefix(b)[0], drafts[b, :step]])[None] for b in range(len(seqs.lengths))]
-            logits = process(io, prefixes, logits)
-        token = drafts[:, step] = logits.argmax(dim=-1)
-    return drafts
+        scores = process(io, seqs, drafts[:, :step], logits)
+        if io.do_sample:
+            probs.append(torch.softmax(scores, dim=-1))
+            token = drafts[:, step] = torch.multinomial(probs[-1], num_samples=1)[:, 0]
+        else:
+            token = drafts[:, step] = scores.argmax(dim=-1)
+    return drafts, torch.stack(probs, dim=1) if probs else None
 
 
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
-    """One pass over [pending + drafts] on the full tier; returns raw logits, processed scores and the verifier's
-    greedy choice at each of the k+1 positions."""
+    """One pass over [pending + drafts] on the full tier; returns raw logits and processed scores (B, k+1, V),
+    position s processed with each row's prefix plus its first s drafts."""
     cache.set_mode("verify")
     block = torch.cat([pending[:, None], drafts], dim=-1)
     raw = forward(model, cache, block, positions).float()  # (B, k+1, V)
     if not io.logits_processor:
-        return raw, raw, raw.argmax(dim=-1)
-    scores = torch.empty_like(raw)
-    for step in range(block.shape[-1]):
-        prefixes = [torch.cat([seqs.prefix(b)[0], drafts[b, :step]])[None] for b in range(len(seqs.lengths))]
-        scores[:, step] = process(io, prefixes, raw[:, step])
-    return raw, scores, scores.argmax(dim=-1)
+        return raw, raw
+    scores = torch.stack([process(io, seqs, drafts[:, :s], raw[:, s]) for s in range(block.shape[-1])], dim=1)
+    return raw, scores
 
 
-def decode(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, schedule: DraftLengthSchedule):
+def accept(io: DecodeIO, drafts, draft_probs, scores) -> tuple[list[int], torch.Tensor]:
+    """Per-row accepted draft counts and the (B, k+1) tokens to emit, by the greedy or the sampling rule."""
+    if io.do_sample:
+        accepted, tokens = speculative_accept(drafts, draft_probs, torch.softmax(scores, dim=-1))
+    else:
+        accepted, tokens = greedy_accept(drafts, scores)
+    return accepted.tolist(), tokens
+
+
+def decode(
+    model,
+    cache: VeriCache,
+    input_ids,
+    attention_mask,
+    position_ids,
+    io: DecodeIO,
+    schedule: DraftLengthSchedule,
+):
     """Run VeriCache decoding to the end; returns the per-row `Sequences`."""
     stats = cache.stats
     seqs = Sequences.start(input_ids, io.max_length, io.pad_token_id)
@@ -161,17 +194,17 @@ def decode(model, cache: VeriCache, input_ids, attention_mask, position_ids, io:
         k = max(0, min(schedule.current, room - 1))
 
         started = time.perf_counter()
-        drafts = draft(model, cache, pending, positions, k, io, seqs) if k else pending.new_empty((len(pending), 0))
+        drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
         stats.draft_seconds += time.perf_counter() - started
         started = time.perf_counter()
-        raw, scores, targets = verify(model, cache, pending, positions, drafts, io, seqs)
+        raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
         stats.verify_seconds += time.perf_counter() - started
 
-        accepted = accepted_lengths(drafts, targets).tolist()
+        accepted, tokens = accept(io, drafts, draft_probs, scores)
         for b in active:
             for step in range(accepted[b] + 1):
                 stats.emitted_tokens += 1
-                if emit(io, seqs, b, targets[b, step], scores[b, step], raw[b, step]):
+                if emit(io, seqs, b, tokens[b, step], scores[b, step], raw[b, step]):
                     break
         if k:
             stats.record_round(k, [accepted[b] for b in active])
@@ -182,8 +215,8 @@ def decode(model, cache: VeriCache, input_ids, attention_mask, position_ids, io:
         width = int(counts.max())
         valid = torch.arange(width)[None, :] < counts[:, None]
         cache.commit(width, valid)
-        index = (counts - 1).clamp(min=0).to(targets.device)
-        pending = targets.gather(1, index[:, None])[:, 0]
+        index = (counts - 1).clamp(min=0).to(tokens.device)
+        pending = tokens.gather(1, index[:, None])[:, 0]
         positions = positions + counts.to(positions.device)
     stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
     stats.full_tier_bytes = max(stats.full_tier_bytes, cache.full_tier_bytes())

@@ -306,26 +306,29 @@ def _doc_sections() -> tuple[tuple[str, str, str], ...]:
             continue
         sections.append(("module", module_name, f"# Module {module_name}\n\n{_doc(module)}\n\n"))
         names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
-        for name in sorted(set(names)):
-            obj = getattr(module, name, None)
-            if obj is None or not _owned(obj, module_name):
+        owned = [(n, o) for n in sorted(set(names)) if (o := getattr(module, n, None)) is not None]
+        owned = [(n, o) for n, o in owned if _owned(o, module_name)]
+        # Functions first, then classes: short documents then still hold functions to ask about.
+        for name, obj in owned:
+            if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+                doc = _doc(obj)
+                if doc:
+                    qual = f"{module_name}.{name}"
+                    sections.append(("function", qual, f"## {qual}{_signature(obj)}\n\n{doc}\n\n"))
+        for name, obj in owned:
+            if not inspect.isclass(obj):
                 continue
             qual = f"{module_name}.{name}"
-            if inspect.isclass(obj):
-                doc = _doc(obj)
+            doc = _doc(obj)
+            if doc:
+                sections.append(("class", qual, f"## class {qual}{_signature(obj)}\n\n{doc}\n\n"))
+            for meth_name, meth in sorted(vars(obj).items()):
+                if meth_name.startswith("_") or not callable(meth):
+                    continue
+                doc = _doc(meth)
                 if doc:
-                    sections.append(("class", qual, f"## class {qual}{_signature(obj)}\n\n{doc}\n\n"))
-                for meth_name, meth in sorted(vars(obj).items()):
-                    if meth_name.startswith("_") or not callable(meth):
-                        continue
-                    doc = _doc(meth)
-                    if doc:
-                        text = f"### {qual}.{meth_name}{_signature(meth)}\n\n{doc}\n\n"
-                        sections.append(("method", f"{qual}.{meth_name}", text))
-            elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
-                doc = _doc(obj)
-                if doc:
-                    sections.append(("function", qual, f"## {qual}{_signature(obj)}\n\n{doc}\n\n"))
+                    text = f"### {qual}.{meth_name}{_signature(meth)}\n\n{doc}\n\n"
+                    sections.append(("method", f"{qual}.{meth_name}", text))
     return tuple(sections)
 
 

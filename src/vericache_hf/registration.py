@@ -1,7 +1,8 @@
 """The one registration of `generation_mode="vericache"`.
 
 Transformers has no registry of decoding modes, so `import vericache_hf` wraps `GenerationMixin.generate` once:
-a call with `generation_mode="vericache"` is routed to `vericache_hf.generate` through transformers' own
+a call with `generation_mode="vericache"` (a kwarg, or an attribute of the call's or the model's
+`generation_config`, so it is saved with the model) is routed to `vericache_hf.generate` through transformers' own
 `custom_generate` path; every other call reaches stock `generate` untouched.
 """
 
@@ -9,40 +10,89 @@ from __future__ import annotations
 
 import functools
 
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from .config import VeriCacheConfig
 from .decoding import generate as vericache_decoding
 
 MODE = "vericache"
 _stock_generate = GenerationMixin.generate
 
 
+def _take_stop_strings(model, kwargs: dict) -> None:
+    """Turn `stop_strings` + `tokenizer` into a `StopStringCriteria` in `stopping_criteria`.
+
+    In the `custom_generate` callable path transformers drops `tokenizer` before it builds the stop-string
+    criterion, and then raises for want of it; building the criterion here, as stock `generate` would, avoids that.
+    Without a tokenizer the stop strings are left to stock generate, which asks for one.
+    """
+    tokenizer = kwargs.pop("tokenizer", None)
+    if "stop_strings" in kwargs:
+        stop_strings = kwargs["stop_strings"]
+    else:
+        config = kwargs.get("generation_config") or model.generation_config
+        stop_strings = getattr(config, "stop_strings", None)
+    if not stop_strings or tokenizer is None:
+        return
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None  # overrides a value saved in the generation config
+
+
 def vericache_generate(model, *args, **kwargs):
     """Stock `generate` preparation, then VeriCache decoding.
 
-    `streamer` and `tokenizer` never reach a `custom_generate` callable, so they are handed over under names of
-    their own (`vericache_streamer`; stop strings become a stopping criterion built here).
+    `streamer` and `tokenizer` never reach a `custom_generate` callable: stock generate still streams the prompt,
+    the callable gets the streamer as `vericache_streamer`, and stop strings become a criterion built here.
     """
-    streamer = kwargs.pop("streamer", None)
     if kwargs.get("assistant_model") is not None:
         raise ValueError(
             "generation_mode='vericache' drafts with the model itself and cannot be combined with assistant_model; "
             "drop one of them."
         )
     if kwargs.get("custom_generate") is not None:
-        raise ValueError("generation_mode='vericache' and custom_generate cannot be combined; drop one of them.")
-    if streamer is not None:
-        kwargs["vericache_streamer"] = streamer
+        raise ValueError(
+            "generation_mode='vericache' and custom_generate cannot be combined; drop one of them."
+        )
+    kwargs.pop("assistant_model", None)
+    kwargs.pop("custom_generate", None)
+    _take_stop_strings(model, kwargs)
+    if kwargs.get("streamer") is not None:
+        kwargs["vericache_streamer"] = kwargs["streamer"]
     return _stock_generate(model, *args, custom_generate=vericache_decoding, **kwargs)
+
+
+def requested_mode(model, generation_mode: str | None, kwargs: dict) -> str | None:
+    """The kwarg, else `generation_mode` saved in the call's or the model's generation config."""
+    if generation_mode is not None:
+        return generation_mode
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "generation_mode", None)
 
 
 @functools.wraps(_stock_generate)
 def generate_with_modes(self, *args, generation_mode: str | None = None, **kwargs):
+    generation_mode = requested_mode(self, generation_mode, kwargs)
     if generation_mode is None:
         return _stock_generate(self, *args, **kwargs)
     if generation_mode != MODE:
         raise ValueError(f"Unknown generation_mode={generation_mode!r}; vericache_hf adds {MODE!r}.")
     return vericache_generate(self, *args, **kwargs)
+
+
+def set_default_mode(model, vericache_config=None) -> None:
+    """Make VeriCache the model's default decoding, saved by `save_pretrained` with its generation config.
+
+    A generation config made from a model config (`_from_model_config`) drops custom attributes on reload, so that
+    flag is cleared here.
+    """
+    config = model.generation_config
+    config.generation_mode = MODE
+    if vericache_config is not None:
+        config.vericache_config = VeriCacheConfig.from_any(vericache_config).to_dict()
+    config._from_model_config = False
 
 
 def register() -> None:

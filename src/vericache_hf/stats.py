@@ -11,6 +11,12 @@ class VeriCacheStats:
 
     Tokens are counted per batch row: a round over 4 rows that accepts 3, 5, 0 and 7 drafts adds 15 to
     `accepted_tokens` and 4 to `row_rounds`.
+
+    Transfers: `bytes_to_device` is the full tier staged for verification, `bytes_to_host` the exact K/V written to
+    the full tier (the prompt, then only newly accepted tokens). `transfer_seconds` is the time the copies took,
+    `transfer_wait_seconds` the time the verify pass waited on them; the rest was hidden behind drafting and
+    compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
+    (the full tier's layer buffers) are device memory; `full_tier_bytes` is host memory.
     """
 
     rounds: int = 0
@@ -22,6 +28,11 @@ class VeriCacheStats:
     bytes_to_host: int = 0
     draft_tier_bytes: int = 0
     full_tier_bytes: int = 0
+    layer_transfers: int = 0
+    transfer_seconds: float = 0.0
+    transfer_wait_seconds: float = 0.0
+    peak_draft_tier_bytes: int = 0
+    peak_staging_bytes: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -37,6 +48,13 @@ class VeriCacheStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
+    @property
+    def transfer_hidden_share(self) -> float:
+        """Share of the transfer time the verify pass did not wait for (1.0 = fully overlapped)."""
+        if not self.transfer_seconds:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.transfer_wait_seconds / self.transfer_seconds))
+
     def record_round(self, draft_length: int, accepted: list[int]) -> None:
         self.rounds += 1
         self.row_rounds += len(accepted)
@@ -49,7 +67,7 @@ class VeriCacheStats:
         """Add another run's counters into this one (tier sizes keep the larger value)."""
         for item in fields(self):
             mine, theirs = getattr(self, item.name), getattr(other, item.name)
-            if item.name.endswith("tier_bytes"):
+            if item.name.endswith("tier_bytes") or item.name.startswith("peak_"):
                 setattr(self, item.name, max(mine, theirs))
             elif isinstance(mine, list):
                 mine.extend(theirs)
@@ -58,8 +76,11 @@ class VeriCacheStats:
 
     def summary(self) -> dict[str, float]:
         """Flat numbers for printing or JSON."""
-        data = {item.name: getattr(self, item.name) for item in fields(self) if not item.name.endswith("_round")}
+        data = {
+            item.name: getattr(self, item.name) for item in fields(self) if not item.name.endswith("_round")
+        }
         data.pop("draft_lengths")
         data["mean_accepted_per_round"] = round(self.mean_accepted_per_round, 3)
         data["acceptance_rate"] = round(self.acceptance_rate, 3)
+        data["transfer_hidden_share"] = round(self.transfer_hidden_share, 3)
         return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
 
 #: Decoder-only families whose attention applies RoPE before the cache update and uses full attention in every
 #: layer; these are tested for exactness against stock `generate`.
@@ -27,7 +28,9 @@ def check_model(model) -> None:
         )
     layer_types = getattr(config, "layer_types", None) or []
     odd = sorted({kind for kind in layer_types if kind != "full_attention"})
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(
+        config, "use_sliding_window", True
+    )
     if odd or sliding:
         what = f"layer types {odd}" if odd else f"sliding_window={config.sliding_window}"
         raise ValueError(
@@ -37,7 +40,9 @@ def check_model(model) -> None:
         )
 
 
-def check_generation(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+def check_generation(
+    model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict
+) -> None:
     if input_ids.ndim != 2 or input_ids.shape[-1] == 0:
         raise ValueError(
             f"VeriCache needs a non-empty prompt of shape (batch, length); got shape {tuple(input_ids.shape)}. "
@@ -56,10 +61,23 @@ def check_generation(model, input_ids: torch.Tensor, generation_config: Generati
         )
     if generation_config.use_cache is False:
         raise ValueError("VeriCache is a KV-cache method and needs use_cache=True; remove use_cache=False.")
-    if generation_config.do_sample:
+    mode = generation_config.get_generation_mode()
+    if mode == GenerationMode.ASSISTED_GENERATION:
         raise ValueError(
-            "VeriCache does not sample yet: pass do_sample=False (greedy) or drop generation_mode='vericache'. "
-            "It never falls back to a lossy mode."
+            "VeriCache already drafts with the model itself and cannot be combined with assisted generation "
+            "(prompt_lookup_num_tokens / assistant_early_exit / assistant_model); drop one of them."
+        )
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"VeriCache serves greedy search and sampling only, but these settings select {mode.value}; "
+            "use do_sample=False or do_sample=True, or drop generation_mode='vericache'."
+        )
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        raise ValueError(
+            "VeriCache does not return attentions or hidden states (its passes cover a draft tier and blocks of "
+            "tokens); remove output_attentions / output_hidden_states, or drop generation_mode='vericache'."
         )
     cache = model_kwargs.get("past_key_values")
     if isinstance(cache, Cache) and (cache.get_seq_length() > 0 or type(cache).__name__ != "DynamicCache"):

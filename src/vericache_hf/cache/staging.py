@@ -1,56 +1,88 @@
 """Device staging buffers for verification: the full tier is brought in one layer at a time.
 
-At most `num_buffers` layer buffers exist per device, reused round-robin, so device memory for the full tier is
-bounded by a few layers whatever the context length.
+A fixed number of buffer slots (default 2) exists; a layer's transfer must hold a slot, and gives it back once the
+verify pass has read that layer. Device memory for the full tier is therefore bounded by a few layers, however many
+layers the model has. (Each buffer holds one whole layer, since attention reads a layer's K/V at once: its size
+follows the context length, its count does not.)
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
-from .full_tier import HostKVStore
+#: Buffers are sized in whole granules of tokens, plus some slack when they grow, so that a context growing by a
+#: few tokens each round reallocates rarely.
+GRANULE_TOKENS = 256
+
+
+def buffer_tokens(tokens: int) -> int:
+    """Token capacity of a buffer that must hold `tokens`: rounded up to whole granules."""
+    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
 
 
 class StagingBuffers:
-    """Round-robin (B, H_kv, capacity, D) key/value buffers, one ring per device."""
+    """`num_buffers` slots, each holding at most one (keys, values) buffer pair per device."""
 
     def __init__(self, num_buffers: int = 2) -> None:
-        if num_buffers < 1:
-            raise ValueError(f"num_buffers must be at least 1, got {num_buffers}.")
+        if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
+            raise ValueError(
+                f"staging buffers must be a positive integer (2 lets one layer copy while another computes), "
+                f"got {num_buffers!r}."
+            )
         self.num_buffers = num_buffers
-        self.rings: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        self.free: deque[int] = deque(range(num_buffers))
+        self.pairs: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.peak_bytes = 0
 
-    def buffer_for(
-        self, slot: int, like: torch.Tensor, tokens: int, value_dim: int
+    def try_acquire(self) -> int | None:
+        """A free slot, or None when every slot is held (the caller must wait for a release)."""
+        return self.free.popleft() if self.free else None
+
+    def release(self, slot: int) -> None:
+        if slot in self.free or not 0 <= slot < self.num_buffers:
+            raise RuntimeError(f"staging slot {slot} released twice or never acquired.")
+        self.free.append(slot)
+
+    @property
+    def held(self) -> int:
+        return self.num_buffers - len(self.free)
+
+    def buffers(
+        self,
+        slot: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int, int],
+        tokens: int,
+        keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A key/value buffer pair for `slot` on `like`'s device holding at least `tokens` tokens."""
-        ring = self.rings.setdefault(like.device, [None] * self.num_buffers)
-        index = slot % self.num_buffers
-        current = ring[index]
-        batch, heads, _, dim = like.shape
-        if current is None or current[0].shape[-2] < tokens or current[0].shape[:2] != (batch, heads):
-            capacity = max(tokens, int((current[0].shape[-2] if current else 0) * 1.5), 256)
-            keys = like.new_empty((batch, heads, capacity, dim))
-            values = like.new_empty((batch, heads, capacity, value_dim))
-            current = ring[index] = (keys, values)
-        return current
+        """The slot's (B, H, capacity, D) key/value buffers on `device`, holding at least `tokens` tokens.
 
-    def stage(
-        self, slot: int, store: HostKVStore, new_keys: torch.Tensor, new_values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Stored tokens then the new ones, in one device buffer; returns views and the bytes moved in."""
-        stored = store.length
-        total = stored + new_keys.shape[-2]
-        keys, values = self.buffer_for(slot, new_keys, total, new_values.shape[-1])
-        moved = store.copy_into(keys, values)
-        keys[:, :, stored:total] = new_keys
-        values[:, :, stored:total] = new_values
-        return keys[:, :, :total], values[:, :, :total], moved
+        `shape` is (batch, heads, key_dim, value_dim). A buffer that is too small or of another shape is replaced;
+        its first `keep` tokens are carried over (a device-to-device copy).
+        """
+        batch, heads, key_dim, value_dim = shape
+        current = self.pairs.get((slot, device))
+        if current is not None:
+            keys, values = current
+            fits = keys.shape[-2] >= tokens and keys.dtype == dtype
+            if fits and (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) == tuple(shape):
+                return current
+        grown = tokens + tokens // 8 if current is not None else tokens
+        capacity = buffer_tokens(grown)
+        keys = torch.empty((batch, heads, capacity, key_dim), dtype=dtype, device=device)
+        values = torch.empty((batch, heads, capacity, value_dim), dtype=dtype, device=device)
+        if current is not None and keep:
+            keys[:, :, :keep] = current[0][:, :, :keep]
+            values[:, :, :keep] = current[1][:, :, :keep]
+        self.pairs[(slot, device)] = (keys, values)
+        self.peak_bytes = max(self.peak_bytes, self.device_bytes())
+        return keys, values
 
     def device_bytes(self) -> int:
+        """Bytes of every staging buffer now allocated (all devices)."""
         return sum(
-            pair[0].numel() * pair[0].element_size() + pair[1].numel() * pair[1].element_size()
-            for ring in self.rings.values()
-            for pair in ring
-            if pair is not None
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.pairs.values()
         )

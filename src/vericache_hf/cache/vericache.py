@@ -6,6 +6,13 @@ on the host). The loop sets the `mode` before each forward pass, and attention w
 - `verify`:  the full tier is staged on the device layer by layer, the new tokens after it; their exact K/V are kept
              as `pending` until `commit` decides how many were accepted.
 
+Streaming the full tier: `prefetch_for_verify` (called when drafting starts) queues one transfer per layer on the
+`TransferEngine`; the engine copies them in layer order into a bounded set of staging buffers, so the first layers
+are on the device before the verify pass begins and layer i+1 copies while layer i computes. When layer i's update
+runs, layer i-1 has been read and its buffer is released for the next transfer. This is valid because the full tier
+only changes at `commit`, which comes after the verify pass: a transfer queued after one commit and read before the
+next sees exactly the committed tokens (each transfer also carries the length it copied, which is checked).
+
 Every length this cache reports is *physical* (slots held), which is what transformers' mask code works in. Rows may
 hold masked slots (left padding, or tokens another row accepted that this row did not), so the loop always passes
 explicit `position_ids` and a 2-D `attention_mask` built by `attention_mask()`.
@@ -20,7 +27,7 @@ from ..compressors.base import CompressionContext, Compressor
 from ..stats import VeriCacheStats
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
-from .staging import StagingBuffers
+from .transfer import LayerTransfer, TransferEngine
 
 MODES = ("prefill", "draft", "verify")
 
@@ -54,8 +61,7 @@ class VeriCacheLayer(CacheLayerMixin):
         if mode == "draft":
             return self.draft.extend_draft(key_states, value_states)
         if mode == "verify":
-            keys, values, moved = self.owner.staging.stage(self.layer_idx, self.full, key_states, value_states)
-            self.owner.stats.bytes_to_device += moved
+            keys, values = self.owner.stage_for_verify(self.layer_idx, key_states, value_states)
             self.pending = (key_states, value_states)
             return keys, values
         return self._prefill(key_states, value_states)
@@ -93,7 +99,12 @@ class VeriCacheLayer(CacheLayerMixin):
 
 
 class VeriCache(Cache):
-    """Two-tier cache for draft-then-verify decoding. Build one per `generate` call."""
+    """Two-tier cache for draft-then-verify decoding. Build one per `generate` call.
+
+    `chunk_tokens` sizes the host chunks of the full tier; `staging_buffers` bounds the full tier's layer buffers
+    on the device; `transfer_timeout` bounds every wait on a transfer. Pass a shared `transfers` engine to serve
+    several caches through one queue (its own buffer count and timeout then apply).
+    """
 
     def __init__(
         self,
@@ -102,11 +113,17 @@ class VeriCache(Cache):
         stats: VeriCacheStats | None = None,
         chunk_tokens: int = 1024,
         staging_buffers: int = 2,
+        transfer_timeout: float = 60.0,
+        transfers: TransferEngine | None = None,
     ) -> None:
         self.compressor = compressor
         self.chunk_tokens = chunk_tokens
         self.stats = stats if stats is not None else VeriCacheStats()
-        self.staging = StagingBuffers(staging_buffers)
+        if transfers is None:
+            transfers = TransferEngine(staging_buffers, transfer_timeout)
+        self.transfers = transfers
+        self.verify_round: list[LayerTransfer] | None = None
+        self.round_read = False
         self.mode = "prefill"
         self.prompt_valid: torch.Tensor | None = None
         self.full_valid: torch.Tensor | None = None
@@ -136,6 +153,7 @@ class VeriCache(Cache):
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
         """Commit the first `count` tokens of the last verify pass; `valid` (B, count) masks the ones a row rejected."""
+        self.end_verify_round()
         for layer in self.layers:
             layer.commit(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)
@@ -146,3 +164,77 @@ class VeriCache(Cache):
 
     def full_tier_bytes(self) -> int:
         return sum(layer.full.nbytes() for layer in self.layers)
+
+    # -- streaming the full tier for verification ---------------------------------------------------------------
+    def prefetch_for_verify(self, new_tokens: int = 1) -> None:
+        """Queue every layer's full tier for the next verify pass, leaving room for `new_tokens` verified tokens.
+        Call it when drafting starts: the first layers then copy while the draft runs."""
+        if self.mode == "prefill" or not self.layers[0].full.length:
+            return
+        if self.verify_round is not None and not self.round_read and not self._stale():
+            return
+        self.end_verify_round()
+        self.verify_round = [
+            self.transfers.submit(layer.full, layer.device, new_tokens, group=self, label=layer.layer_idx)
+            for layer in self.layers
+        ]
+        self.round_read = False
+        self.stats.peak_draft_tier_bytes = max(self.stats.peak_draft_tier_bytes, self.draft_tier_bytes())
+
+    def stage_for_verify(
+        self, layer_idx: int, new_keys: torch.Tensor, new_values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s stored tokens then the new ones, in its staging buffer on the device."""
+        if layer_idx == 0:
+            if self.verify_round is None or self.round_read or self._stale():
+                self.end_verify_round()
+                self.prefetch_for_verify(new_keys.shape[-2])
+            self.round_read = True
+        elif self.verify_round is None:
+            raise RuntimeError("a verify pass must run its layers in order from layer 0.")
+        else:
+            self.transfers.release(self.verify_round[layer_idx - 1])  # its attention has run
+        transfer = self.verify_round[layer_idx]
+        keys, values = self.transfers.wait(transfer)
+        stored, total = transfer.tokens, transfer.tokens + new_keys.shape[-2]
+        if stored != self.layers[layer_idx].full.length:
+            raise RuntimeError(
+                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({stored} -> "
+                f"{self.layers[layer_idx].full.length} tokens); commit only after the verify pass."
+            )
+        if keys.shape[-2] < total:
+            keys, values = self.transfers.grow(transfer, total)
+        keys[:, :, stored:total] = new_keys
+        values[:, :, stored:total] = new_values
+        if layer_idx == len(self.layers) - 1:
+            self._record_round()
+        return keys[:, :, :total], values[:, :, :total]
+
+    def end_verify_round(self) -> None:
+        """Release (or cancel) the transfers of the current round."""
+        for transfer in self.verify_round or ():
+            self.transfers.release(transfer)
+        self.verify_round = None
+
+    def close(self) -> None:
+        """Drop pending transfers and stop the worker (a private engine); the cache stays readable."""
+        self.end_verify_round()
+        self.transfers.cancel(self)
+
+    def _stale(self) -> bool:
+        pairs = zip(self.verify_round, self.layers, strict=True)
+        return any(transfer.tokens != layer.full.length for transfer, layer in pairs)
+
+    def _record_round(self) -> None:
+        stats = self.stats
+        for transfer in self.verify_round:
+            self.transfers.settle(transfer)
+            stats.layer_transfers += 1
+            stats.bytes_to_device += transfer.bytes
+            stats.transfer_seconds += transfer.seconds
+            stats.transfer_wait_seconds += transfer.waited
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, self.transfers.buffers.peak_bytes)
+
+    def staging_bytes(self) -> int:
+        """Device bytes of the full tier now: its staging buffers."""
+        return self.transfers.buffers.device_bytes()

@@ -24,11 +24,12 @@ class CompressionContext:
 
     `valid` is (B, T) bool, False on left padding. `module`, `hidden_states` (B, T, hidden) and `attention_kwargs`
     (the attention layer's own forward kwargs, `position_embeddings` included) are set only for compressors whose
-    `needs_hidden_states` is True.
+    `needs_hidden_states` is True; `model` too (adapters such as kvpress's need it).
     """
 
     layer_idx: int
     valid: torch.Tensor
+    model: nn.Module | None = None
     module: nn.Module | None = None
     hidden_states: torch.Tensor | None = None
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -55,35 +56,50 @@ class Compressor(ABC):
         """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
 
 
+def check_budget(name: str, budget: int | None) -> None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(
+            f"{name}.budget must be a positive number of tokens to keep (or None), got {budget!r}."
+        )
+
+
 @dataclass
 class ScorerCompressor(Compressor):
-    """Token dropping by score: keep the `1 - compression_ratio` share of tokens that score highest, per head.
+    """Token dropping by score: keep the `1 - compression_ratio` share of tokens (or `budget` tokens) that score
+    highest, per head.
 
     A subclass implements `score`; this base masks padding, takes the top-k per (row, head), keeps the kept tokens in
-    their original order and builds the store (`make_store`, appending committed tokens by default).
+    their original order (`select`) and builds the store (`make_store`, appending committed tokens by default).
     """
 
     compression_ratio: float = 0.5
+    budget: int | None = None
 
     def __post_init__(self) -> None:
         check_ratio(type(self).__name__, self.compression_ratio)
+        check_budget(type(self).__name__, self.budget)
 
     @abstractmethod
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         """(B, H_kv, T) importance of each token; higher is kept."""
 
     def kept_tokens(self, length: int) -> int:
+        if self.budget is not None:
+            return min(length, self.budget)
         return max(1, math.ceil(length * (1.0 - self.compression_ratio)))
 
     def make_store(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> DraftStore:
         return TokenStore(keys, values, valid)
 
-    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
+    def select(
+        self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept (B, H, kept, D) keys/values and their (B, kept) validity, in their original order."""
         length = keys.shape[-2]
         kept = self.kept_tokens(length)
         valid = context.valid.to(keys.device)
         if kept >= length:
-            return self.make_store(keys, values, valid)
+            return keys, values, valid
         scores = self.score(keys, values, context).float()
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         indices = scores.topk(kept, dim=-1).indices.sort(dim=-1).values  # (B, H, kept)
@@ -92,5 +108,7 @@ class ScorerCompressor(Compressor):
         kept_values = values.gather(2, gather.expand(-1, -1, -1, values.shape[-1]))
         # Padding is only kept when a row holds fewer real tokens than the budget; it sorts first in every head
         # (left padding), so the validity of a slot is the same across heads.
-        kept_valid = valid.gather(1, indices[:, 0])
-        return self.make_store(kept_keys, kept_values, kept_valid)
+        return kept_keys, kept_values, valid.gather(1, indices[:, 0])
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
+        return self.make_store(*self.select(keys, values, context))

@@ -1,0 +1,294 @@
+"""Full KV off the device, on one CUDA GPU with no network: decode throughput and device memory of
+
+  full-kv     greedy decoding with the whole KV cache in device memory (where it fits);
+  offloaded   greedy decoding with transformers' `DynamicCache(offloading=True)` (CUDA only);
+  vericache   draft on a StreamingLLM draft tier on the device, verify against the full tier in pinned host memory,
+              streamed layer by layer by the transfer engine,
+
+on random-weight Llama configs of about 1B and 8B parameters, contexts of 32k and 128k tokens, batch 1 and 8 (the
+combinations whose KV cache fits the GPU's, or the host's, memory). Run: `python benchmarks/gpu_offload.py`
+(about 8 minutes on one H200); `--dry-run` runs a tiny config on the CPU in seconds.
+
+How it stays short and fair: the prompt's KV cache is synthesized (random K/V written straight into each cache)
+instead of a prefill, which every method would pay alike; only decoding is timed. Acceptance on random weights is
+meaningless, so it is forced: each VeriCache round drafts `--accepted-per-round` tokens (k), feeding the draft the
+given continuation tokens (teacher forcing, so the draft "matches"), verifies [pending + k drafts] in one pass over
+the full tier, and commits all k plus the bonus token. Token values do not change the cost of any pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from vericache_hf import VeriCache
+from vericache_hf.compressors import build_compressor
+
+SIZES = {  # Llama-3.2-1B- and Llama-3.1-8B-shaped; "small" and "tiny" are for CPU runs
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "small": dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, vocab_size=4096
+    ),
+    "tiny": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+}
+
+
+def build_model(size: str, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    shape = dict(vocab_size=128256, num_key_value_heads=8) | SIZES[size]
+    config = LlamaConfig(max_position_embeddings=262144, **shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def kv_bytes(model, batch: int, tokens: int, dtype: torch.dtype) -> int:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+    return batch * tokens * per_token
+
+
+def random_kv(model, batch: int, tokens: int, device: str, dtype: torch.dtype, layer: int):
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    generator = torch.Generator(device).manual_seed(layer)
+    shape = (batch, config.num_key_value_heads, tokens, head_dim)
+    return (torch.randn(shape, generator=generator, device=device, dtype=dtype) for _ in range(2))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def device_bytes_now(device: str) -> int:
+    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+
+
+def step(model, cache, tokens, positions, mask=None):
+    """One forward of (B, q) tokens at absolute start `positions`; returns the greedy choice of the last one."""
+    query = tokens.shape[-1]
+    position_ids = positions[:, None] + torch.arange(query, device=tokens.device)
+    out = model(
+        input_ids=tokens,
+        position_ids=position_ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1].argmax(dim=-1)
+
+
+def run_full_kv(model, args, batch, context, device, dtype, offloading: bool) -> dict:
+    """Plain greedy decoding over a DynamicCache (optionally transformers' offloaded one)."""
+    base = device_bytes_now(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    cache = DynamicCache(config=model.config, offloading=offloading)
+    for layer in range(model.config.num_hidden_layers):
+        cache.update(*random_kv(model, batch, context, device, dtype, layer), layer)
+    token = torch.randint(0, model.config.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), context, device=device)
+    step(model, cache, token[:, None], positions)  # warm-up
+    sync(device)
+    started = time.perf_counter()
+    for offset in range(1, args.baseline_tokens + 1):
+        token = step(model, cache, token[:, None], positions + offset)
+    sync(device)
+    seconds = time.perf_counter() - started
+    peak = (
+        torch.cuda.max_memory_allocated() - base
+        if device.startswith("cuda")
+        else kv_bytes(model, batch, context + args.baseline_tokens + 1, dtype)
+    )
+    return dict(tokens_per_s=batch * args.baseline_tokens / seconds, device_bytes=peak)
+
+
+def run_vericache(model, args, batch, context, device, dtype) -> dict:
+    """Forced-acceptance VeriCache rounds: draft k on the draft tier, verify k+1 on the streamed full tier."""
+    base = device_bytes_now(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    compressor = build_compressor("streaming_llm", args.compression_ratio)
+    layers = model.config.num_hidden_layers
+    cache = VeriCache(layers, compressor, chunk_tokens=4096, staging_buffers=args.staging_buffers)
+    cache.start(torch.ones(batch, context, dtype=torch.long, device=device))
+    for layer in range(model.config.num_hidden_layers):
+        cache.update(*random_kv(model, batch, context, device, dtype, layer), layer)
+    cache.mode = "draft"
+    k = args.accepted_per_round
+    continuation = torch.randint(
+        0, model.config.vocab_size, (batch, (args.rounds + 1) * (k + 1) + 1), device=device
+    )
+    positions = torch.full((batch,), context, device=device)
+    valid = torch.ones(batch, k + 1, dtype=torch.bool)
+
+    def one_round(index: int) -> None:
+        start = index * (k + 1)
+        block = continuation[:, start : start + k + 1]  # pending token + k drafts the verifier accepts
+        cache.prefetch_for_verify(k + 1)
+        cache.set_mode("draft")
+        for i in range(k):  # teacher-forced draft: the draft is fed the continuation
+            step(model, cache, block[:, i : i + 1], positions + start + i, cache.attention_mask(1))
+        cache.set_mode("verify")
+        step(model, cache, block, positions + start, cache.attention_mask(k + 1))
+        cache.commit(k + 1, valid)
+
+    one_round(0)  # warm-up
+    sync(device)
+    stats = cache.stats
+    before = (stats.transfer_seconds, stats.transfer_wait_seconds, stats.bytes_to_device, stats.bytes_to_host)
+    started = time.perf_counter()
+    for index in range(1, args.rounds + 1):
+        one_round(index)
+    sync(device)
+    seconds = time.perf_counter() - started
+    transfer = stats.transfer_seconds - before[0]
+    waited = stats.transfer_wait_seconds - before[1]
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated() - base
+    else:  # accounting: draft tier + staging buffers
+        peak = stats.peak_draft_tier_bytes + stats.peak_staging_bytes
+    cache.close()
+    return dict(
+        tokens_per_s=batch * args.rounds * (k + 1) / seconds,
+        device_bytes=peak,
+        draft_tier_bytes=stats.peak_draft_tier_bytes,
+        staging_bytes=stats.peak_staging_bytes,
+        transfer_s=round(transfer, 4),
+        waited_s=round(waited, 4),
+        hidden_share=round(max(0.0, 1 - waited / transfer), 3) if transfer else 0.0,
+        gib_to_device=round((stats.bytes_to_device - before[2]) / 2**30, 3),
+        bytes_to_host=stats.bytes_to_host - before[3],
+    )
+
+
+def fits(args, model, batch, context, dtype, device) -> tuple[bool, bool]:
+    """(full KV fits on the device, full tier fits in host memory), with headroom for activations."""
+    need = kv_bytes(model, batch, context + 512, dtype)
+    if not device.startswith("cuda"):
+        return True, True
+    gc.collect()
+    torch.cuda.empty_cache()  # what earlier runs left in the caching allocator is free for this one
+    free, _ = torch.cuda.mem_get_info()
+    host = _host_bytes()
+    return need < 0.8 * free, need < 0.6 * host
+
+
+def _host_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", help="model sizes (default 1b,8b; tiny with --dry-run)")
+    parser.add_argument("--contexts", help="context lengths (default 32768,131072; 256 with --dry-run)")
+    parser.add_argument("--batches", help="batch sizes (default 1,8; 1,2 with --dry-run)")
+    parser.add_argument(
+        "--accepted-per-round", type=int, help="forced accepted drafts per round (default 16)"
+    )
+    parser.add_argument("--rounds", type=int, help="timed VeriCache rounds per configuration (default 2)")
+    parser.add_argument("--baseline-tokens", type=int, help="timed tokens per baseline run (default 16)")
+    parser.add_argument("--compression-ratio", type=float, default=0.875)
+    parser.add_argument("--staging-buffers", type=int, default=2)
+    parser.add_argument(
+        "--budget-s", type=float, default=420, help="skip what is left after this many seconds"
+    )
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--dry-run", action="store_true", help="tiny config on the CPU, in seconds")
+    args = parser.parse_args(argv)
+    defaults = dict(
+        sizes="1b,8b",
+        contexts="32768,131072",
+        batches="1,8",
+        accepted_per_round=16,
+        rounds=2,
+        baseline_tokens=16,
+    )
+    if args.dry_run:
+        defaults.update(
+            sizes="tiny", contexts="256", batches="1,2", accepted_per_round=3, rounds=1, baseline_tokens=2
+        )
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.accepted_per_round < 1 or args.rounds < 1 or args.baseline_tokens < 1:
+        parser.error("--accepted-per-round, --rounds and --baseline-tokens must be positive.")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse(argv)
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    if device == "cpu" and not args.dry_run:
+        raise SystemExit(
+            "No CUDA GPU found: this benchmark needs one (or pass --dry-run for the CPU smoke test)."
+        )
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows, started = [], time.perf_counter()
+    for size in args.sizes.split(","):
+        model = build_model(size, device, dtype)
+        for context in map(int, args.contexts.split(",")):
+            for batch in map(int, args.batches.split(",")):
+                if time.perf_counter() - started > args.budget_s:
+                    print(f"skip {size} ctx={context} B={batch}: over the time budget")
+                    continue
+                on_device, on_host = fits(args, model, batch, context, dtype, device)
+                row = dict(
+                    size=size,
+                    context=context,
+                    batch=batch,
+                    kv_gib=round(kv_bytes(model, batch, context, dtype) / 2**30, 2),
+                )
+                if on_device:
+                    row["full_kv"] = run_full_kv(model, args, batch, context, device, dtype, offloading=False)
+                if on_host and device.startswith("cuda"):
+                    row["offloaded"] = run_full_kv(
+                        model, args, batch, context, device, dtype, offloading=True
+                    )
+                if on_host:
+                    row["vericache"] = run_vericache(model, args, batch, context, device, dtype)
+                for name in ("full_kv", "offloaded"):
+                    if name in row and "vericache" in row:
+                        row[f"speedup_vs_{name}"] = round(
+                            row["vericache"]["tokens_per_s"] / row[name]["tokens_per_s"], 2
+                        )
+                        row[f"memory_vs_{name}"] = round(
+                            row["vericache"]["device_bytes"] / max(1, row[name]["device_bytes"]), 3
+                        )
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

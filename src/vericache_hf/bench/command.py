@@ -1,0 +1,152 @@
+"""`vericache-hf bench`: full cache, compressed-only, VeriCache and HF's lossless peers, side by side.
+
+CPU settings that do not change any output are applied first: sdpa's grouped-query path
+(`TRANSFORMERS_SDPA_FORCE_GQA=1`, read at call time) and glibc malloc settings that keep the verify pass's large
+buffers mapped. The malloc settings only act from process start, so the command re-executes itself once with
+them (`--no-reexec` skips that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+#: Settings that change speed, never results (see the project's field notes on where the time goes on CPU).
+CPU_ENV = {
+    "TRANSFORMERS_SDPA_FORCE_GQA": "1",
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "17179869184",
+    "MALLOC_TOP_PAD_": "1073741824",
+}
+QUICK = dict(
+    kinds=["code"], contexts=[2048], batch_sizes=[1], num_prompts=1, max_new_tokens=48, compressors=["snapkv"],
+    ratios=[0.75], repeats=2,
+)  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_bench_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="throughput and quality of full cache, compressed-only, VeriCache and HF peers"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a few minutes: 1 code prompt, 2k context, batch 1"
+    )
+    parser.add_argument("--kinds", type=_names, default=["code", "qa"], help="workloads: code,qa")
+    parser.add_argument("--contexts", type=_ints, default=[2048, 4096, 8192], help="prompt lengths in tokens")
+    parser.add_argument("--batch-sizes", type=_ints, default=[1, 4])
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--compressors", type=_names, default=["snapkv", "streaming_llm", "kivi"])
+    parser.add_argument("--ratios", type=_floats, default=[0.75, 0.875], help="compression ratios")
+    parser.add_argument("--draft-length", type=int, default=8, help="VeriCache's starting draft length")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved timing repeats (medians are reported)"
+    )
+    parser.add_argument(
+        "--no-peers", action="store_true", help="skip HF prompt lookup and early-exit assisting"
+    )
+    parser.add_argument(
+        "--model", default=None, help="a Hub id or folder (default: the embedded SmolLM2-135M)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="folder for JSON, Markdown, PNGs"
+    )
+    parser.add_argument(
+        "--no-reexec", action="store_true", help="do not restart with the CPU malloc settings"
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=run_bench_command)
+
+
+def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
+    """`--quick` overrides the sizes with a run of a few minutes on a 2-core CPU."""
+    if args.quick:
+        args.kinds, args.contexts, args.batch_sizes = QUICK["kinds"], QUICK["contexts"], QUICK["batch_sizes"]
+        args.num_prompts, args.max_new_tokens = QUICK["num_prompts"], QUICK["max_new_tokens"]
+        args.compressors, args.ratios, args.repeats = QUICK["compressors"], QUICK["ratios"], QUICK["repeats"]
+    return args
+
+
+def _reexec_with_cpu_env(args: argparse.Namespace) -> None:
+    missing = {k: v for k, v in CPU_ENV.items() if os.environ.get(k) is None}
+    if args.no_reexec or not missing or os.environ.get("VERICACHE_BENCH_REEXEC"):
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        return
+    env = {**os.environ, **missing, "VERICACHE_BENCH_REEXEC": "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "vericache_hf.cli", *sys.argv[1:]], env)
+
+
+def _load(name: str | None):
+    if name is None:
+        from ..embedded import load_embedded_model
+
+        return load_embedded_model()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    if sys.argv[1:2] == ["bench"]:  # this process is the bench command itself, not a test or a notebook
+        _reexec_with_cpu_env(args)
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    args = apply_quick(args)
+    import torch
+
+    from .methods import build_methods
+    from .plots import plot_all
+    from .report import markdown_table, summarize, time_table, write_report
+    from .runner import run_bench
+    from .workloads import build_workloads
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, tokenizer = _load(args.model)
+    workloads = build_workloads(tokenizer, args.kinds, args.contexts, args.batch_sizes, args.num_prompts)
+    methods = build_methods(
+        args.compressors, args.ratios, peers=not args.no_peers, draft_length=args.draft_length
+    )
+    samples = run_bench(
+        model, workloads, methods, args.max_new_tokens, repeats=args.repeats, progress=not args.no_progress
+    )
+    rows = summarize(samples, workloads, tokenizer)
+    settings = {
+        key: (str(value) if isinstance(value, Path) else value)
+        for key, value in vars(args).items()
+        if key != "run"
+    }
+    settings.update(
+        torch_threads=torch.get_num_threads(),
+        env={k: os.environ.get(k) for k in CPU_ENV},
+        wall_seconds=round(time.perf_counter() - started, 1),
+    )
+    json_path, md_path = write_report(rows, args.out, settings)
+    figures = plot_all(json.loads(json_path.read_text())["rows"], args.out)
+    print("\n" + markdown_table(rows) + "\n\nWhere VeriCache's time goes:\n\n" + time_table(rows))
+    print(f"\nWrote {json_path}, {md_path} and {', '.join(str(f) for f in figures)}.")
+    lossless_ok = all(r.get("identical_share", 1.0) == 1.0 for r in rows if r["lossless"] and "na" not in r)
+    if not lossless_ok:
+        print("A lossless method's output differed from the full-cache output: see identical share above.")
+    return 0 if lossless_ok else 1

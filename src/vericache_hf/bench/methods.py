@@ -1,0 +1,115 @@
+"""The decoding methods a bench compares, each behind one call: `method.generate(model, batch, new_tokens)`.
+
+- `full`: stock greedy `generate` on the full cache, the reference every other output is compared with;
+- `lossy`: greedy decoding on the compressed cache alone (`vericache_hf.lossy.compressed_only_generate`);
+- `vericache`: draft on the compressed cache, verify against the full one;
+- `prompt_lookup` and `early_exit`: transformers' own lossless speculative methods, which run in the same process
+  with the same model (prompt-lookup decoding; assisted decoding with the model's first layers as its draft). HF's
+  assisted decoding is batch-1 only, so both are skipped (n/a) at larger batch sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import VeriCacheConfig
+from ..stats import VeriCacheStats
+from .workloads import PromptBatch
+
+FAMILIES = ("full", "lossy", "vericache", "prompt_lookup", "early_exit")
+
+
+@dataclass
+class Generation:
+    """What one `generate` call produced: the new tokens (B, T) and, for VeriCache, its stats."""
+
+    new_tokens: torch.Tensor
+    stats: VeriCacheStats | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method with its settings. `name` is unique within a bench and used in tables and plots."""
+
+    family: str
+    compressor: str | None = None
+    compression_ratio: float | None = None
+    draft_length: int = 8
+    lookup_tokens: int = 10
+    early_exit_layers: int = 8
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"Unknown method family {self.family!r}; choose from {FAMILIES}.")
+        needs_compressor = self.family in ("lossy", "vericache")
+        if needs_compressor and (self.compressor is None or self.compression_ratio is None):
+            raise ValueError(f"A {self.family} method needs a compressor and a compression_ratio.")
+
+    @property
+    def name(self) -> str:
+        if self.family == "lossy":
+            return f"{self.compressor}@{self.compression_ratio:g} only (lossy)"
+        if self.family == "vericache":
+            return f"VeriCache {self.compressor}@{self.compression_ratio:g}"
+        if self.family == "prompt_lookup":
+            return f"HF prompt lookup ({self.lookup_tokens})"
+        if self.family == "early_exit":
+            return f"HF early-exit assist ({self.early_exit_layers} layers)"
+        return "full cache"
+
+    @property
+    def lossless(self) -> bool:
+        return self.family != "lossy"
+
+    def supports(self, batch_size: int) -> bool:
+        """HF assisted decoding (prompt lookup, early exit) is batch-1 only."""
+        return batch_size == 1 or self.family not in ("prompt_lookup", "early_exit")
+
+    def generate(self, model, batch: PromptBatch, max_new_tokens: int) -> Generation:
+        ids, mask = batch.input_ids, batch.attention_mask
+        prompt = ids.shape[-1]
+        common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+        if self.family == "lossy":
+            from ..lossy import compressed_only_generate
+
+            out = compressed_only_generate(
+                model,
+                ids,
+                self.compressor,
+                max_new_tokens,
+                attention_mask=mask,
+                compression_ratio=self.compression_ratio,
+            )
+            return Generation(out[:, prompt:])
+        if self.family == "vericache":
+            stats = VeriCacheStats()
+            config = VeriCacheConfig(
+                compressor=self.compressor,
+                compression_ratio=self.compression_ratio,
+                draft_length=self.draft_length,
+                stats=stats,
+            )
+            out = model.generate(ids, generation_mode="vericache", vericache_config=config, **common)
+            return Generation(out[:, prompt:], stats)
+        if self.family == "prompt_lookup":
+            common["prompt_lookup_num_tokens"] = self.lookup_tokens
+        elif self.family == "early_exit":
+            common["assistant_early_exit"] = self.early_exit_layers
+        return Generation(model.generate(ids, **common)[:, prompt:])
+
+
+def build_methods(
+    compressors: list[str], ratios: list[float], peers: bool = True, draft_length: int = 8
+) -> list[Method]:
+    """Full cache first (the reference), then compressed-only and VeriCache for each compressor and ratio, then
+    the HF peers."""
+    methods = [Method("full")]
+    for compressor in compressors:
+        for ratio in ratios:
+            methods.append(Method("lossy", compressor, ratio))
+            methods.append(Method("vericache", compressor, ratio, draft_length=draft_length))
+    if peers:
+        methods += [Method("prompt_lookup"), Method("early_exit")]
+    return methods

@@ -1,0 +1,243 @@
+"""Turn bench samples into one row per (workload, method): speed, ratios to full-cache decoding, quality, memory.
+
+Speeds are medians over repeats, summed over a workload's batches. `tok/s` counts the whole `generate` call;
+`decode tok/s` leaves out the prompt's prefill (the full-cache run's own first forward pass of the same batch), so
+it shows the decoding loop, which is where the methods differ. Quality is judged against full-cache output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from .quality import extract_code, parses, passes_humaneval
+from .runner import Sample
+from .workloads import Workload
+
+MIB = 2**20
+
+
+def _ratio(value: float, reference: float) -> float:
+    return (
+        value / reference
+        if reference and not math.isnan(reference) and not math.isnan(value)
+        else float("nan")
+    )
+
+
+class _Judge:
+    """Decodes rows and runs HumanEval tests once per distinct (problem, code)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def code(self, tokens: list[int]) -> str:
+        return extract_code(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def passes(self, problem: dict, code: str) -> bool:
+        key = (problem["task_id"], code)
+        if key not in self.cache:
+            self.cache[key] = passes_humaneval(problem, code)
+        return self.cache[key]
+
+
+def summarize(samples: list[Sample], workloads: list[Workload], tokenizer=None) -> list[dict[str, Any]]:
+    """One row per (workload, method), in the order the methods ran."""
+    judge = _Judge(tokenizer) if tokenizer is not None else None
+    by_name = {w.name: w for w in workloads}
+    rows = []
+    for workload in workloads:
+        mine = [s for s in samples if s.workload == workload.name]
+        reference = {s.batch_index: s for s in mine if s.method.family == "full"}
+        names = list(dict.fromkeys(s.method.name for s in mine))
+        for name in names:
+            group = [s for s in mine if s.method.name == name]
+            rows.append(_row(group, reference, by_name[workload.name], judge))
+    _fill_lossy_bytes(rows)
+    full = {row["workload"]: row for row in rows if row["family"] == "full"}
+    for row in rows:
+        base = full[row["workload"]]
+        row["speed_ratio"] = _ratio(row["tokens_per_s"], base["tokens_per_s"])
+        row["decode_ratio"] = _ratio(row["decode_tokens_per_s"], base["decode_tokens_per_s"])
+    return rows
+
+
+def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, judge) -> dict[str, Any]:
+    method = group[0].method
+    row: dict[str, Any] = {
+        "workload": workload.name,
+        "kind": workload.kind,
+        "context_tokens": workload.context_tokens,
+        "batch_size": workload.batch_size,
+        "method": method.name,
+        "family": method.family,
+        "compressor": method.compressor,
+        "compression_ratio": method.compression_ratio,
+        "lossless": method.lossless,
+    }
+    if any(s.skipped for s in group):
+        row["na"] = group[0].skipped
+        for key in ("tokens_per_s", "decode_tokens_per_s", "identical_share"):
+            row[key] = float("nan")
+        return row
+    seconds = sum(s.median_seconds for s in group)
+    prefill = sum(median(reference[s.batch_index].prefill_seconds) for s in group)
+    tokens = sum(s.computed_tokens for s in group)
+    rows_total = sum(s.batch_size for s in group)
+    decode_seconds = seconds - prefill
+    row["tokens_per_s"] = tokens / seconds
+    row["decode_tokens_per_s"] = (
+        (tokens - rows_total) / decode_seconds if decode_seconds > 0 else float("nan")
+    )
+    row["seconds"] = seconds
+    pairs = [
+        (out, ref) for s in group for out, ref in zip(s.rows, reference[s.batch_index].rows, strict=True)
+    ]
+    row["identical_share"] = sum(out == ref for out, ref in pairs) / len(pairs)
+    if workload.kind == "code" and judge is not None:
+        _code_quality(row, group, reference, workload, judge)
+    _vericache_numbers(row, group)
+    if method.family == "full":
+        row["full_tier_bytes"] = sum(s.kv_bytes for s in group)
+    return row
+
+
+def _code_quality(row, group, reference, workload: Workload, judge: _Judge) -> None:
+    parsed = passed = full_passed = 0
+    total = 0
+    for sample in group:
+        problems = workload.batches[sample.batch_index].problems
+        for out, ref, problem in zip(sample.rows, reference[sample.batch_index].rows, problems, strict=True):
+            total += 1
+            code = judge.code(out)
+            parsed += parses(code)
+            if judge.passes(problem, judge.code(ref)):
+                full_passed += 1
+                passed += judge.passes(problem, code)
+    row["parse_share"] = parsed / total
+    row["full_passes"] = full_passed
+    row["pass_share"] = passed / full_passed if full_passed else float("nan")
+
+
+def _vericache_numbers(row: dict[str, Any], group: list[Sample]) -> None:
+    stats = [s.stats for s in group if s.stats is not None]
+    if not stats:
+        return
+    row_rounds = sum(st.row_rounds for st in stats)
+    row["mean_accepted_per_round"] = (
+        sum(st.accepted_tokens for st in stats) / row_rounds if row_rounds else 0.0
+    )
+    drafted = sum(st.drafted_tokens for st in stats)
+    row["acceptance_rate"] = sum(st.accepted_tokens for st in stats) / drafted if drafted else 0.0
+    row["rounds"] = sum(st.rounds for st in stats)
+    row["draft_tier_bytes"] = max(st.draft_tier_bytes for st in stats)
+    row["full_tier_bytes"] = max(st.full_tier_bytes for st in stats)
+    for name in (
+        "prefill_seconds",
+        "draft_seconds",
+        "verify_seconds",
+        "transfer_seconds",
+        "transfer_wait_seconds",
+    ):
+        row[name] = sum(getattr(st, name, 0.0) for st in stats)
+    row["bytes_to_device"] = sum(st.bytes_to_device for st in stats)
+    row["accepted_per_round"] = list(stats[0].accepted_per_round)
+    row["draft_lengths"] = list(stats[0].draft_lengths)
+
+
+def _fill_lossy_bytes(rows: list[dict[str, Any]]) -> None:
+    """A compressed-only run keeps the same draft store as VeriCache with that compressor, and no full tier."""
+    for row in rows:
+        if row["family"] != "lossy":
+            continue
+        twin = next(
+            (
+                r
+                for r in rows
+                if r["family"] == "vericache"
+                and r["workload"] == row["workload"]
+                and (r["compressor"], r["compression_ratio"]) == (row["compressor"], row["compression_ratio"])
+            ),
+            None,
+        )
+        if twin is not None and "draft_tier_bytes" in twin:
+            row["draft_tier_bytes"] = twin["draft_tier_bytes"]
+            row["full_tier_bytes"] = 0
+
+
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value / scale, spec)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    header = (
+        "| workload | method | tok/s | x full | decode tok/s | x full (decode) | identical | parses | passes* "
+        "| accepted/round | draft tier MiB | full tier MiB |"
+    )
+    lines = [header, "|" + "---|" * 12]
+    for r in rows:
+        cells = [
+            r["workload"],
+            r["method"],
+            _fmt(r.get("tokens_per_s"), ".2f"),
+            _fmt(r.get("speed_ratio"), ".2f"),
+            _fmt(r.get("decode_tokens_per_s"), ".2f"),
+            _fmt(r.get("decode_ratio"), ".2f"),
+            _fmt(r.get("identical_share"), ".0%"),
+            _fmt(r.get("parse_share"), ".0%"),
+            _fmt(r.get("pass_share"), ".0%"),
+            _fmt(r.get("mean_accepted_per_round"), ".1f"),
+            _fmt(r.get("draft_tier_bytes"), ".1f", MIB),
+            _fmt(r.get("full_tier_bytes"), ".1f", MIB),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def time_table(rows: list[dict[str, Any]]) -> str:
+    """Where VeriCache's time goes: prefill (with compression), draft steps, verify passes, transfer waits."""
+    lines = [
+        "| workload | method | prefill+compress s | draft s | verify s | transfer s (waited) | rounds | MiB staged |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        if r["family"] != "vericache" or "rounds" not in r:
+            continue
+        transfer = f"{r['transfer_seconds']:.2f} ({r['transfer_wait_seconds']:.2f})"
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r['prefill_seconds']:.2f} | {r['draft_seconds']:.2f} | "
+            f"{r['verify_seconds']:.2f} | {transfer} | {r['rounds']} | {r['bytes_to_device'] / MIB:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a method that does not apply) becomes null, so the file is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_report(rows: list[dict[str, Any]], out_dir: Path, settings: dict[str, Any]) -> tuple[Path, Path]:
+    """results.json (settings and rows) and results.md (the two tables); returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    data = _finite({"settings": settings, "rows": rows})
+    json_path.write_text(json.dumps(data, indent=1, default=str, allow_nan=False))
+    notes = (
+        "\n\n*passes: share of outputs that pass HumanEval's own tests, among problems whose full-cache output "
+        "passes (n/a when none does). Speeds are medians over interleaved repeats in one process.\n"
+    )
+    md_path.write_text(
+        markdown_table(rows) + notes + "\nWhere VeriCache's time goes:\n\n" + time_table(rows) + "\n"
+    )
+    return json_path, md_path

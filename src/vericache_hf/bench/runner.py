@@ -1,0 +1,144 @@
+"""Run every method on every prompt batch, side by side in one process, with interleaved repeats.
+
+Each repeat runs all methods on the same batch, in an order rotated by one each time, so slow drifts of a shared
+machine (other jobs, heat) fall on every method alike; the report takes medians over repeats. The full-cache run
+also times its own prefill (its first forward pass), so decode throughput can be told apart from prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from statistics import median
+
+import torch
+from tqdm.auto import tqdm
+
+from ..stats import VeriCacheStats
+from .methods import Method
+from .quality import trim
+from .workloads import Workload
+
+
+@dataclass
+class Sample:
+    """One method on one prompt batch, over all repeats."""
+
+    method: Method
+    workload: str
+    batch_index: int
+    batch_size: int
+    seconds: list[float] = field(default_factory=list)
+    rows: list[list[int]] = field(default_factory=list)  # new tokens per row, up to EOS (first repeat)
+    computed_tokens: int = 0  # tokens the method produced, pad after EOS excluded
+    stats: VeriCacheStats | None = None  # first repeat
+    kv_bytes: int = 0  # full-cache method: bytes of its KV cache at the end
+    prefill_seconds: list[float] = field(default_factory=list)  # full-cache method only
+    skipped: str | None = None  # why the method does not apply (n/a)
+
+    @property
+    def median_seconds(self) -> float:
+        return median(self.seconds) if self.seconds else float("nan")
+
+
+class FirstForwardTimer:
+    """Wall time from entering the block to the end of the model's first forward pass (the prefill)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.seconds, self.handle, self.started = model, None, None, 0.0
+
+    def _hook(self, module, args, output) -> None:
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self.started
+
+    def __enter__(self) -> FirstForwardTimer:
+        self.handle = self.model.register_forward_hook(self._hook)
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V for one token across all layers, in the model's dtype."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.finfo(model.dtype).bits // 8
+    return 2 * config.num_hidden_layers * heads * head_dim * element
+
+
+def _run_once(model, method: Method, batch, sample: Sample, max_new_tokens: int, eos: set[int], first: bool):
+    timer = FirstForwardTimer(model) if method.family == "full" else None
+    with torch.no_grad():  # not inference_mode: its tensors cannot be written by the transfer thread
+        started = time.perf_counter()
+        if timer is not None:
+            with timer:
+                generation = method.generate(model, batch, max_new_tokens)
+        else:
+            generation = method.generate(model, batch, max_new_tokens)
+        sample.seconds.append(time.perf_counter() - started)
+    if timer is not None:
+        sample.prefill_seconds.append(timer.seconds)
+    if not first:
+        return
+    sample.rows = [trim(row, eos) for row in generation.new_tokens]
+    # Compressed-only decoding runs every row to max_new_tokens; the others stop each row at its EOS.
+    lengths = [generation.new_tokens.shape[-1]] * batch.batch_size if method.family == "lossy" else None
+    sample.computed_tokens = sum(lengths) if lengths else sum(len(row) for row in sample.rows)
+    sample.stats = generation.stats
+    if method.family == "full":
+        slots = int(batch.attention_mask.sum()) + sample.computed_tokens
+        sample.kv_bytes = slots * kv_bytes_per_token(model)
+
+
+def run_bench(
+    model,
+    workloads: list[Workload],
+    methods: list[Method],
+    max_new_tokens: int,
+    repeats: int = 2,
+    eos_token_ids: set[int] | None = None,
+    progress: bool = True,
+) -> list[Sample]:
+    """Every method on every batch of every workload, `repeats` times each, interleaved."""
+    if not methods or methods[0].family != "full":
+        raise ValueError(
+            "methods must start with the full-cache method (Method('full')): it is the reference."
+        )
+    if repeats < 1 or max_new_tokens < 1:
+        raise ValueError(f"repeats and max_new_tokens must be positive, got {repeats} and {max_new_tokens}.")
+    eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
+    runs = sum(repeats * sum(m.supports(w.batch_size) for m in methods) * len(w.batches) for w in workloads)
+    bar = tqdm(
+        total=runs,
+        desc="bench",
+        disable=not progress,
+        bar_format="{desc:<60}{bar:20}| {n}/{total} [{elapsed}<{remaining}]",
+    )
+    samples: list[Sample] = []
+    for workload in workloads:
+        for index, batch in enumerate(workload.batches):
+            group = [Sample(m, workload.name, index, batch.batch_size) for m in methods]
+            for sample in group:
+                if not sample.method.supports(batch.batch_size):
+                    sample.skipped = f"batch-1 only (batch {batch.batch_size})"
+            for repeat in range(repeats):
+                shift = repeat % len(group)
+                for sample in group[shift:] + group[:shift]:
+                    if sample.skipped:
+                        continue
+                    bar.set_description(f"{workload.name} #{index} r{repeat + 1}: {sample.method.name}")
+                    _run_once(model, sample.method, batch, sample, max_new_tokens, eos, first=repeat == 0)
+                    bar.update()
+            samples.extend(group)
+    bar.close()
+    return samples
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

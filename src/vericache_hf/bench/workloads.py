@@ -1,0 +1,100 @@
+"""Bench workloads: long prompts of a chosen kind, context length and batch size, tokenized once.
+
+Two kinds, both built from data that ships locally (`vericache_hf.prompts`): `code` (a HumanEval problem behind a
+long stretch of real source code) and `qa` (a question about a function in long library documentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+KINDS = ("code", "qa")
+
+
+@dataclass
+class PromptBatch:
+    """One batch of prompts, left-padded: what a single `generate` call receives."""
+
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    problems: list[dict | None] = field(default_factory=list)  # the HumanEval problem of each row (code only)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class Workload:
+    """All batches of one kind, context length and batch size."""
+
+    kind: str
+    context_tokens: int
+    batch_size: int
+    batches: list[PromptBatch]
+
+    @property
+    def name(self) -> str:
+        size = (
+            f"{self.context_tokens // 1024}k" if self.context_tokens % 1024 == 0 else str(self.context_tokens)
+        )
+        return f"{self.kind}-{size}-b{self.batch_size}"
+
+    @property
+    def num_prompts(self) -> int:
+        return sum(batch.batch_size for batch in self.batches)
+
+
+def _texts(tokenizer: Any, kind: str, context_tokens: int, count: int, first_problem: int):
+    from ..prompts import humaneval_problems, long_code_prompt, long_document_qa_prompt
+
+    if kind == "code":
+        problems = humaneval_problems()[first_problem : first_problem + count]
+        return [long_code_prompt(tokenizer, p, context_tokens) for p in problems], problems
+    # One document per length: shorten each further prompt a little, so rows differ and padding is exercised.
+    texts = [long_document_qa_prompt(tokenizer, context_tokens - 48 * i) for i in range(count)]
+    return texts, [None] * count
+
+
+def tokenize_batch(tokenizer: Any, texts: list[str], problems: list[dict | None]) -> PromptBatch:
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    return PromptBatch(encoded.input_ids, encoded.attention_mask, list(problems))
+
+
+def build_workloads(
+    tokenizer: Any,
+    kinds: list[str],
+    context_tokens: list[int],
+    batch_sizes: list[int],
+    num_prompts: int,
+    first_problem: int = 0,
+) -> list[Workload]:
+    """Every (kind, context, batch size) combination; each holds `num_prompts` prompts rounded up to whole batches."""
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"Unknown workload kind(s) {unknown}; choose from {KINDS}.")
+    for name, values in (("context_tokens", context_tokens), ("batch_sizes", batch_sizes)):
+        if not values or any(v < 1 for v in values):
+            raise ValueError(f"{name} must be a non-empty list of positive integers, got {values!r}.")
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be positive, got {num_prompts}.")
+    workloads = []
+    for kind in kinds:
+        for context in context_tokens:
+            for batch in batch_sizes:
+                count = -(-num_prompts // batch) * batch
+                texts, problems = _texts(tokenizer, kind, context, count, first_problem)
+                batches = [
+                    tokenize_batch(tokenizer, texts[i : i + batch], problems[i : i + batch])
+                    for i in range(0, count, batch)
+                ]
+                workloads.append(Workload(kind, context, batch, batches))
+    return workloads

@@ -1,0 +1,122 @@
+"""Refreshing the draft tier: re-compress it from the full tier as decoding runs long.
+
+A draft tier built at prefill drifts from what its method would keep now (new tokens are only appended or
+windowed). A `RefreshPolicy` rebuilds every layer's draft tier from the exact full tier every `every_tokens` committed
+tokens, or when the mean accepted run of recent rounds falls below `min_accepted`. Verification makes any draft tier
+lossless, so a refresh changes speed, never output. It costs one host-to-device copy of the full tier plus one
+compression per layer; `refresh_seconds` records it.
+
+Only compressors that work from K/V alone can refresh (`needs_hidden_states` False: StreamingLLM, KNorm, the
+quantizers, compositions of these); query-aware methods (SnapKV, H2O, kvpress presses) need the prompt's hidden
+states, which are gone after prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compressors.base import CompressionContext, Compressor
+
+
+def check_refreshable(compressor: Compressor) -> None:
+    if compressor.needs_hidden_states:
+        raise ValueError(
+            f"{type(compressor).__name__} scores tokens with the layer's queries, which are not kept after prefill, "
+            "so its draft tier cannot be refreshed. Use refresh with a K/V-only compressor (streaming_llm, knorm, "
+            "kivi, ...) or drop the refresh policy."
+        )
+
+
+def refresh_draft_tier(cache) -> None:
+    """Rebuild every layer's draft tier from its full tier with the cache's compressor.
+
+    Call between rounds (after `commit`, before the next draft): the full tier then holds every committed token but
+    each row's pending one, which is exactly what the draft tier must hold.
+    """
+    check_refreshable(cache.compressor)
+    for layer in cache.layers:
+        if layer.draft is None:
+            raise RuntimeError("refresh_draft_tier needs a prefilled cache.")
+        store = layer.full
+        template = layer.draft.valid
+        batch = template.shape[0]
+        reference = store.key_chunks[0]
+        shape = (batch, reference.shape[1], store.length)
+        keys = torch.empty((*shape, reference.shape[-1]), dtype=reference.dtype, device=layer.device)
+        values = torch.empty(
+            (*shape, store.value_chunks[0].shape[-1]), dtype=reference.dtype, device=layer.device
+        )
+        store.copy_into(keys, values)
+        context = CompressionContext(layer_idx=layer.layer_idx, valid=cache.full_valid.to(layer.device))
+        layer.draft = cache.compressor.compress(keys.to(layer.dtype), values.to(layer.dtype), context)
+
+
+@dataclass
+class RefreshPolicy:
+    """When to rebuild the draft tier from the full tier.
+
+    Parameters:
+        every_tokens: refresh after this many tokens were committed since the last refresh (None: never by count).
+        min_accepted: refresh when the mean accepted drafts per round over the last `window_rounds` rounds falls
+            below this (None: never by acceptance).
+        window_rounds: rounds averaged for `min_accepted`; the window restarts after a refresh.
+    """
+
+    every_tokens: int | None = None
+    min_accepted: float | None = None
+    window_rounds: int = 4
+    refreshes: int = field(default=0, init=False)
+    refresh_seconds: float = field(default=0.0, init=False)
+    _since: int = field(default=0, init=False, repr=False)
+    _recent: deque = field(default_factory=deque, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.every_tokens is None and self.min_accepted is None:
+            raise ValueError("RefreshPolicy needs every_tokens, min_accepted or both.")
+        if self.every_tokens is not None and (
+            isinstance(self.every_tokens, bool)
+            or not isinstance(self.every_tokens, int)
+            or self.every_tokens < 1
+        ):
+            raise ValueError(f"every_tokens must be a positive integer, got {self.every_tokens!r}.")
+        if self.min_accepted is not None and (
+            not isinstance(self.min_accepted, (int, float)) or self.min_accepted < 0
+        ):
+            raise ValueError(f"min_accepted must be a non-negative number, got {self.min_accepted!r}.")
+        if (
+            isinstance(self.window_rounds, bool)
+            or not isinstance(self.window_rounds, int)
+            or self.window_rounds < 1
+        ):
+            raise ValueError(f"window_rounds must be a positive integer, got {self.window_rounds!r}.")
+
+    def due(self, committed: int, mean_accepted: float) -> bool:
+        """Record a round (tokens committed, mean accepted drafts); True when a refresh is due."""
+        self._since += committed
+        self._recent.append(mean_accepted)
+        while len(self._recent) > self.window_rounds:
+            self._recent.popleft()
+        if self.every_tokens is not None and self._since >= self.every_tokens:
+            return True
+        full_window = len(self._recent) == self.window_rounds
+        return (
+            self.min_accepted is not None
+            and full_window
+            and sum(self._recent) / len(self._recent) < self.min_accepted
+        )
+
+    def after_commit(self, cache, committed: int, mean_accepted: float) -> bool:
+        """The loop's hook: call after `cache.commit`; refreshes when due. Returns whether it refreshed."""
+        if not self.due(committed, mean_accepted):
+            return False
+        started = time.perf_counter()
+        refresh_draft_tier(cache)
+        self.refresh_seconds += time.perf_counter() - started
+        self.refreshes += 1
+        self._since = 0
+        self._recent.clear()
+        return True

@@ -1,0 +1,28 @@
+"""`vericache-hf` command line: one subcommand per job, each defined beside the code it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .bench import add_bench_command
+from .demo import add_demo_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vericache-hf", description="Lossless KV-cache compression for HuggingFace Transformers."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_demo_command(subparsers)
+    add_bench_command(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""H2O: keep the heavy hitters, the tokens that received the most attention over the prompt, plus a recent window.
+
+Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models". Every
+prompt query's causal attention is accumulated per key (summed over the queries and the query heads sharing a KV
+head), computed from the layer's own queries in chunks so memory stays O(chunk x T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import CompressionContext, ScorerCompressor
+from .snapkv import window_queries
+
+
+@dataclass
+class H2OCompressor(ScorerCompressor):
+    """Accumulated attention over the prompt, top-k per KV head; the last `recent_size` tokens are always kept.
+
+    Parameters:
+        compression_ratio: fraction of the prompt's tokens removed.
+        recent_size: final prompt tokens always kept (H2O's recent window).
+        chunk_size: prompt queries scored at once (bounds the attention matrix held in memory).
+    """
+
+    needs_hidden_states: ClassVar[bool] = True
+    compression_ratio: float = 0.5
+    recent_size: int = 32
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in (("recent_size", 0), ("chunk_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"H2OCompressor.{name} must be an integer >= {low}, got {value!r}.")
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
+        batch, kv_heads, length, _ = keys.shape
+        queries = window_queries(context, length).float()  # (B, H_q, T, D)
+        group = queries.shape[1] // kv_heads
+        expanded = keys.float().repeat_interleave(group, dim=1).transpose(-1, -2)  # (B, H_q, D, T)
+        valid = context.valid.to(keys.device)
+        key_pos = torch.arange(length, device=keys.device)
+        scores = keys.new_zeros((batch, queries.shape[1], length), dtype=torch.float32)
+        for start in range(0, length, self.chunk_size):
+            stop = min(start + self.chunk_size, length)
+            logits = queries[:, :, start:stop] @ expanded * context.module.scaling  # (B, H_q, c, T)
+            causal = key_pos[None, :] <= torch.arange(start, stop, device=keys.device)[:, None]
+            allowed = causal[None, None] & valid[:, None, None, :]
+            weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+            weights = weights * valid[:, None, start:stop, None]  # padding queries add nothing
+            scores += weights.sum(2)
+        scores = scores.view(batch, kv_heads, group, length).sum(2)
+        if self.recent_size:
+            scores[..., -self.recent_size :] = scores.max() + 1
+        return scores

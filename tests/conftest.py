@@ -1,0 +1,63 @@
+"""Tiny random models built from a config (nothing from the Hub), in float64 where batched and sequential forward
+passes agree to the last bit, so greedy VeriCache output must equal stock `generate` token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import vericache_hf  # noqa: F401  (registers generation_mode="vericache")
+
+VOCAB = 96
+
+
+def pytest_runtest_setup(item):
+    """Tiny models run fastest on one thread (thread hand-offs dominate); the real model uses both cores."""
+    torch.set_num_threads(2 if item.get_closest_marker("slow") else 1)
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model_class = LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM
+    model = model_class(tiny_config(family, **overrides)).to(torch.float64).eval()
+    # Sharpen the output distribution so that random weights produce long runs a draft can follow.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama")
+
+
+def random_prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)

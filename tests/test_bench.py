@@ -1,0 +1,139 @@
+"""The bench: every method runs side by side, the report judges outputs against full-cache output, plots render.
+
+Tiny random models (float64) stand in for a real one; one slow test runs the command on the embedded model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vericache_hf.bench import Method, PromptBatch, Workload, build_methods, build_workloads, run_bench
+from vericache_hf.bench.command import QUICK, apply_quick
+from vericache_hf.bench.plots import plot_all
+from vericache_hf.bench.quality import extract_code, parses, passes_humaneval, trim
+from vericache_hf.bench.report import markdown_table, summarize, write_report
+from vericache_hf.cli import build_parser
+from vericache_hf.prompts import humaneval_problems
+
+from .conftest import random_prompt
+
+
+def synthetic_workload(batch_size: int, length: int = 70, pad: int = 0) -> Workload:
+    ids = random_prompt(length, batch=batch_size, seed=batch_size)
+    mask = torch.ones_like(ids)
+    if pad:
+        ids[0, :pad], mask[0, :pad] = 0, 0  # left padding on the first row
+    return Workload("qa", length, batch_size, [PromptBatch(ids, mask, [None] * batch_size)])
+
+
+@pytest.fixture(scope="module")
+def bench_rows(llama, tmp_path_factory):
+    methods = [Method("full"), Method("lossy", "snapkv", 0.75), Method("vericache", "snapkv", 0.75)]
+    methods += [Method("prompt_lookup", lookup_tokens=4), Method("early_exit", early_exit_layers=1)]
+    workloads = [synthetic_workload(1), synthetic_workload(2, pad=5)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and much faster on a shared CPU
+    try:
+        samples = run_bench(llama, workloads, methods, max_new_tokens=16, repeats=2, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return samples, workloads, summarize(samples, workloads)
+
+
+def test_lossless_methods_match_full_cache_and_peers_are_batch_one(bench_rows):
+    samples, _, rows = bench_rows
+    by = {(r["workload"], r["family"]): r for r in rows}
+    for workload in ("qa-70-b1", "qa-70-b2"):
+        assert by[(workload, "full")]["identical_share"] == 1.0
+        assert by[(workload, "vericache")]["identical_share"] == 1.0
+        assert by[(workload, "vericache")]["mean_accepted_per_round"] > 0
+        assert (
+            0
+            < by[(workload, "vericache")]["draft_tier_bytes"]
+            < by[(workload, "vericache")]["full_tier_bytes"]
+        )
+    assert by[("qa-70-b1", "prompt_lookup")]["identical_share"] == 1.0
+    assert by[("qa-70-b1", "early_exit")]["identical_share"] == 1.0
+    assert "batch-1 only" in by[("qa-70-b2", "early_exit")]["na"]
+    assert all(len(s.seconds) == 2 for s in samples if not s.skipped)  # interleaved repeats all ran
+
+
+def test_identical_share_counts_a_differing_row(bench_rows):
+    samples, workloads, _ = bench_rows
+    vericache = next(s for s in samples if s.method.family == "vericache" and s.batch_size == 2)
+    vericache.rows[1] = vericache.rows[1][:-1] + [vericache.rows[1][-1] + 1]
+    try:
+        rows = summarize(samples, workloads)
+        row = next(r for r in rows if r["family"] == "vericache" and r["batch_size"] == 2)
+        assert row["identical_share"] == 0.5
+    finally:
+        vericache.rows[1] = vericache.rows[1][:-1] + [vericache.rows[1][-1] - 1]
+
+
+def test_report_and_plots_are_written(bench_rows, tmp_path):
+    _, _, rows = bench_rows
+    json_path, md_path = write_report(rows, tmp_path, {"repeats": 2})
+    data = json.loads(json_path.read_text())  # strict JSON: a method that does not apply is null, not NaN
+    assert data["settings"]["repeats"] == 2 and len(data["rows"]) == len(rows)
+    table = md_path.read_text()
+    assert "VeriCache snapkv@0.75" in table and "n/a" in table
+    for figure in plot_all(data["rows"], tmp_path):
+        assert figure.stat().st_size > 5_000
+    full = next(r for r in rows if r["family"] == "full")
+    assert math.isclose(full["speed_ratio"], 1.0)
+
+
+def test_bad_settings_are_refused(llama):
+    with pytest.raises(ValueError, match="full-cache method"):
+        run_bench(llama, [synthetic_workload(1)], [Method("vericache", "snapkv", 0.75)], 4, progress=False)
+    with pytest.raises(ValueError, match="needs a compressor"):
+        Method("lossy")
+    with pytest.raises(ValueError, match="Unknown method family"):
+        Method("beam")
+    with pytest.raises(ValueError, match="Unknown workload kind"):
+        build_workloads(None, ["poetry"], [2048], [1], 1)
+
+
+def test_build_methods_puts_the_reference_first():
+    methods = build_methods(["snapkv", "kivi"], [0.75, 0.875], peers=True)
+    assert methods[0].family == "full"
+    assert len(methods) == 1 + 2 * 2 * 2 + 2
+    assert len({m.name for m in methods}) == len(methods)
+
+
+def test_quick_flag_sets_the_quick_sizes():
+    args = apply_quick(build_parser().parse_args(["bench", "--quick"]))
+    assert (args.contexts, args.batch_sizes, args.repeats) == (QUICK["contexts"], QUICK["batch_sizes"], 2)
+    assert build_parser().parse_args(["bench", "--contexts", "2048,4096"]).contexts == [2048, 4096]
+
+
+def test_code_quality_checks():
+    assert trim(torch.tensor([5, 6, 2, 0, 0]), {2}) == [5, 6, 2]
+    answer = "Here it is:\n```python\ndef f(x):\n    return x\n```\nDone."
+    assert extract_code(answer) == "def f(x):\n    return x\n"
+    assert parses(extract_code(answer)) and not parses("def f(:\n")
+    problem = humaneval_problems()[0]
+    assert passes_humaneval(problem, problem["canonical_solution"])
+    assert (
+        passes_humaneval(problem, "def has_close_elements(numbers, threshold):\n    return True\n") is False
+    )
+    assert passes_humaneval(problem, "    while True:\n        pass\n", timeout=2.0) is False
+
+
+@pytest.mark.slow
+def test_bench_command_on_the_embedded_model(tmp_path):
+    from vericache_hf.cli import main
+
+    argv = ["bench", "--kinds", "code", "--contexts", "512", "--batch-sizes", "1", "--num-prompts", "1"]
+    argv += ["--max-new-tokens", "12", "--compressors", "snapkv", "--ratios", "0.75", "--repeats", "1"]
+    argv += ["--no-peers", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    vericache = next(r for r in rows if r["family"] == "vericache")
+    assert vericache["identical_share"] == 1.0 and vericache["parse_share"] is not None
+    assert markdown_table(rows).count("\n") == len(rows) + 1
+    assert (tmp_path / "throughput_vs_ratio.png").is_file()

@@ -1,0 +1,193 @@
+"""Every compressor passes the same tests: draft-tier invariants, and float64 greedy exactness against stock
+`generate` (batch 1, and a left-padded batch). A new compressor gets one line in REGISTRY."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache_hf import VeriCacheConfig
+from vericache_hf import decoding as decoding_module
+from vericache_hf.cache.refresh import RefreshPolicy, check_refreshable, refresh_draft_tier
+from vericache_hf.cache.vericache import VeriCache
+from vericache_hf.compressors import (
+    BitsAndBytesCompressor,
+    ComposedCompressor,
+    FP8Compressor,
+    H2OCompressor,
+    HQQCompressor,
+    KIVICompressor,
+    KnormCompressor,
+    QuantoCompressor,
+    SnapKVCompressor,
+    StreamingLLMCompressor,
+    build_compressor,
+)
+from vericache_hf.compressors.quantized import require
+from vericache_hf.lossy import compressed_only_generate, first_divergence
+
+from .conftest import random_prompt
+
+SMALL = {"group_size": 8, "residual_length": 4}  # quantize during a short test run, not only at prefill
+
+#: (id, compressor factory). Quantizers use small groups so that committed tokens really get quantized.
+REGISTRY = [
+    ("streaming_llm", lambda: StreamingLLMCompressor(0.75)),
+    ("snapkv", lambda: SnapKVCompressor(0.75, window_size=8)),
+    ("knorm", lambda: KnormCompressor(0.5)),
+    ("h2o", lambda: H2OCompressor(0.75, recent_size=8, chunk_size=16)),
+    ("snapkv_budget", lambda: SnapKVCompressor(budget=12, window_size=4)),
+    ("kivi2", lambda: KIVICompressor(bits=2, **SMALL)),
+    ("kivi4", lambda: KIVICompressor(bits=4, **SMALL)),
+    ("fp8", lambda: FP8Compressor(**SMALL)),
+    ("hqq1", lambda: HQQCompressor(bits=1, **SMALL)),
+    ("hqq3", lambda: HQQCompressor(bits=3, **SMALL)),
+    ("hqq8", lambda: HQQCompressor(bits=8, **SMALL)),
+    ("bnb_nf4", lambda: BitsAndBytesCompressor(quant_type="nf4", **SMALL)),
+    ("bnb_fp4", lambda: BitsAndBytesCompressor(quant_type="fp4", **SMALL)),
+    ("bnb_int8", lambda: BitsAndBytesCompressor(quant_type="int8", **SMALL)),
+    ("snapkv+kivi4", lambda: [SnapKVCompressor(0.75, window_size=8), KIVICompressor(bits=4, **SMALL)]),
+    (
+        "knorm+streaming+hqq2",
+        lambda: [KnormCompressor(0.5), StreamingLLMCompressor(0.5), HQQCompressor(bits=2, **SMALL)],
+    ),
+    pytest.param("quanto2", lambda: QuantoCompressor(bits=2, **SMALL), marks=pytest.mark.slow),
+    pytest.param("quanto4", lambda: QuantoCompressor(bits=4, **SMALL), marks=pytest.mark.slow),
+]
+IDS = [entry.values[0] if hasattr(entry, "values") else entry[0] for entry in REGISTRY]
+
+
+def stock(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, **kwargs)
+
+
+def vericache(model, ids, compressor, **kwargs):
+    config = VeriCacheConfig(compressor=compressor, draft_length=6)
+    return model.generate(
+        ids,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(("name", "factory"), REGISTRY, ids=IDS)
+def test_matches_stock_and_keeps_the_draft_tier_consistent(llama, name, factory):
+    ids = random_prompt(48, seed=11)
+    out = vericache(llama, ids, factory(), max_new_tokens=32)
+    assert torch.equal(out.sequences, stock(llama, ids, max_new_tokens=32)), name
+    stats, cache = out.vericache_stats, out.past_key_values
+    assert 0 < stats.draft_tier_bytes < stats.full_tier_bytes, name
+    slots = {layer.draft.num_committed for layer in cache.layers}
+    assert len(slots) == 1, f"{name}: layers hold different slot counts {slots}"
+    for layer in cache.layers:
+        store = layer.draft
+        assert store.valid.shape == (1, store.num_committed)
+        # Drafted tokens are uncommitted: a rollback restores exactly the committed view.
+        empty = torch.zeros((1, llama.config.num_key_value_heads, 0, 16), dtype=torch.float64)
+        committed_keys, committed_values = store.extend_draft(empty, empty)
+        store.rollback_draft()
+        noise = torch.randn((1, llama.config.num_key_value_heads, 3, 16), dtype=torch.float64)
+        drafted_keys, _ = store.extend_draft(noise, noise)
+        assert drafted_keys.shape[-2] == committed_keys.shape[-2] + 3
+        assert torch.equal(drafted_keys[:, :, -3:], noise)
+        store.rollback_draft()
+        again_keys, again_values = store.extend_draft(empty, empty)
+        store.rollback_draft()
+        assert torch.equal(again_keys, committed_keys) and torch.equal(again_values, committed_values)
+
+
+@pytest.mark.parametrize(
+    ("name", "factory"), [entry for entry in REGISTRY if not hasattr(entry, "marks")][::3], ids=IDS[:16][::3]
+)
+def test_left_padded_batch_matches_stock(llama, name, factory):
+    ids = random_prompt(40, batch=2, seed=12)
+    mask = torch.ones_like(ids)
+    ids[1, :9], mask[1, :9] = 0, 0
+    expected = stock(llama, ids, attention_mask=mask, max_new_tokens=24)
+    out = vericache(llama, ids, factory(), attention_mask=mask, max_new_tokens=24)
+    assert torch.equal(out.sequences, expected), name
+
+
+def test_budget_keeps_that_many_tokens(llama):
+    ids = random_prompt(60, seed=13)
+    out = vericache(llama, ids, "snapkv", max_new_tokens=1)
+    assert out.past_key_values.layers[0].draft.num_committed == 15  # a quarter of 60 at the default ratio
+    config = VeriCacheConfig(compressor="knorm", compression_budget=10)
+    cache = llama.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=1,
+        generation_mode="vericache",
+        vericache_config=config,
+        return_dict_in_generate=True,
+    ).past_key_values
+    assert {layer.draft.num_committed for layer in cache.layers} == {10}
+
+
+def test_bad_configurations_are_rejected_clearly():
+    with pytest.raises(ValueError, match="compression_budget"):
+        VeriCacheConfig(compression_budget=0)
+    with pytest.raises(ValueError, match="quantizes"):
+        build_compressor("kivi", 0.75, budget=32)
+    with pytest.raises(ValueError, match="does not drop tokens"):
+        ComposedCompressor(stages=[KIVICompressor(bits=4), SnapKVCompressor(0.5)])
+    with pytest.raises(ValueError, match="only the first"):
+        ComposedCompressor(stages=[KnormCompressor(0.5), SnapKVCompressor(0.5)])
+    with pytest.raises(ValueError, match="bits"):
+        HQQCompressor(compression_ratio=0.6)
+    with pytest.raises(ValueError, match="quant_type"):
+        BitsAndBytesCompressor(quant_type="nf3")
+    with pytest.raises(ImportError, match=r"vericache-hf\[hqq\]"):
+        require("a_backend_that_is_not_installed", "hqq", "hqq")
+
+
+def test_compressed_only_decoding_is_exact_without_compression_and_lossy_with_it(llama):
+    ids = random_prompt(60, seed=14)
+    reference = stock(llama, ids, max_new_tokens=20, min_new_tokens=20)
+    lossless = compressed_only_generate(llama, ids, SnapKVCompressor(0.0), 20)
+    assert torch.equal(lossless, reference)
+    lossy = compressed_only_generate(llama, ids, "streaming_llm", 20, compression_ratio=0.9)
+    assert lossy.shape == reference.shape
+    assert first_divergence(reference, lossy, 60) < 20  # this prompt's output does change when 90% is dropped
+
+
+class RefreshingVeriCache(VeriCache):
+    """The hook the loop will call, put where the loop calls commit (the integration under test)."""
+
+    policy: RefreshPolicy | None = None
+
+    def commit(self, count: int, valid: torch.Tensor) -> None:
+        super().commit(count, valid)
+        RefreshingVeriCache.policy.after_commit(self, count, 0.0)
+
+
+def test_refresh_keeps_output_exact(llama, monkeypatch):
+    RefreshingVeriCache.policy = RefreshPolicy(every_tokens=8)
+    monkeypatch.setattr(decoding_module, "VeriCache", RefreshingVeriCache)
+    ids = random_prompt(50, seed=15)
+    out = vericache(llama, ids, KnormCompressor(0.5), max_new_tokens=40)
+    assert torch.equal(out.sequences, stock(llama, ids, max_new_tokens=40))
+    assert RefreshingVeriCache.policy.refreshes >= 2
+    cache = out.past_key_values
+    refresh_draft_tier(cache)
+    assert cache.layers[0].draft.num_committed == -(-cache.layers[0].full.length // 2)
+
+
+def test_refresh_policy_triggers_and_rejects():
+    policy = RefreshPolicy(min_accepted=2.0, window_rounds=2)
+    assert not policy.due(3, 1.0) and policy.due(3, 1.0)
+    with pytest.raises(ValueError, match="every_tokens, min_accepted"):
+        RefreshPolicy()
+    with pytest.raises(ValueError, match="cannot be refreshed"):
+        check_refreshable(SnapKVCompressor(0.5))
+
+
+def test_the_documented_custom_compressor_runs_losslessly():
+    import runpy  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "custom_compressor.py"
+    runpy.run_path(str(example), run_name="__main__")  # asserts equality with stock generate itself

@@ -1,0 +1,180 @@
+"""The full tier off the device: layer-wise streaming for verification, prefetch during drafting, bounded device
+memory, measured transfers, and failures that surface in `generate` without leaving a thread behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from vericache_hf import VeriCache, VeriCacheConfig
+from vericache_hf.cache.full_tier import HostSnapshot
+from vericache_hf.cache.staging import buffer_tokens
+from vericache_hf.cache.transfer import TransferError
+from vericache_hf.compressors import build_compressor
+
+from .conftest import random_prompt, tiny_model
+
+HEADS, KEY_DIM, VALUE_DIM = 2, 8, 8
+
+
+def prefilled(layers: int, tokens: int, buffers: int = 2, batch: int = 1, seed: int = 0):
+    """A cache after prefill of random K/V (no model): returns it and each layer's prompt keys/values."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = VeriCache(
+        layers, build_compressor("streaming_llm", 0.75), staging_buffers=buffers, transfer_timeout=30
+    )
+    cache.start(torch.ones(batch, tokens, dtype=torch.long))
+    prompt = []
+    for layer in range(layers):
+        keys = torch.randn(batch, HEADS, tokens, KEY_DIM, generator=generator)
+        values = torch.randn(batch, HEADS, tokens, VALUE_DIM, generator=generator)
+        cache.update(keys, values, layer)
+        prompt.append((keys, values))
+    cache.mode = "draft"
+    return cache, prompt
+
+
+def verify_pass(cache: VeriCache, prompt, new_tokens: int = 5) -> None:
+    """Run the verify side of every layer in order and check it reads stored tokens then the new ones."""
+    cache.set_mode("verify")
+    batch = prompt[0][0].shape[0]
+    for layer, (keys, values) in enumerate(prompt):
+        new_keys = torch.randn(batch, HEADS, new_tokens, KEY_DIM)
+        new_values = torch.randn(batch, HEADS, new_tokens, VALUE_DIM)
+        got_keys, got_values = cache.update(new_keys, new_values, layer)
+        assert torch.equal(got_keys, torch.cat([keys, new_keys], dim=2))
+        assert torch.equal(got_values, torch.cat([values, new_values], dim=2))
+
+
+def layer_bytes(tokens: int, batch: int = 1) -> int:
+    return batch * HEADS * tokens * (KEY_DIM + VALUE_DIM) * 4
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_verify_streams_every_layer_through_a_bounded_set_of_buffers(buffers):
+    cache, prompt = prefilled(layers=5, tokens=300, buffers=buffers, batch=2)
+    cache.prefetch_for_verify(5)
+    verify_pass(cache, prompt)
+    verify_pass(cache, prompt)  # a second pass without a commit re-stages the round
+    assert len(cache.transfers.buffers.pairs) == buffers
+    assert cache.staging_bytes() == buffers * layer_bytes(buffer_tokens(305), batch=2)
+    assert cache.stats.layer_transfers == 10 and cache.stats.bytes_to_device == 10 * layer_bytes(300, batch=2)
+    cache.close()
+
+
+def test_prefetch_during_drafting_makes_the_first_layers_resident_before_verify():
+    cache, prompt = prefilled(layers=4, tokens=200)
+    cache.prefetch_for_verify(3)
+    first, second, third = cache.verify_round[:3]
+    assert first.done.wait(10) and second.done.wait(10)
+    assert (first.state, second.state, third.state) == ("ready", "ready", "backlog")  # two buffers, no more
+    with pytest.raises(RuntimeError, match="in flight"):
+        cache.layers[0].full.truncate(100)  # the store may not shrink under a transfer
+    verify_pass(cache, prompt, new_tokens=3)
+    assert cache.verify_round[0] is first  # the prefetched transfers were the ones read
+    cache.close()
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_full_tier_device_bytes_do_not_grow_with_the_layers_8k_and_32k(layers):
+    """Accounting (B*H*T*D*bytes): the full tier on the device is two layer buffers at 8k and at 32k tokens, for
+    4 layers and for 8; the full KV cache a DynamicCache would keep on the device is `layers` layers."""
+    for context in (8192, 32768):
+        cache, prompt = prefilled(layers=layers, tokens=context)
+        cache.prefetch_for_verify(17)
+        verify_pass(cache, prompt, new_tokens=17)
+        full_kv = layers * layer_bytes(context + 17)
+        staging = cache.stats.peak_staging_bytes
+        assert staging == 2 * layer_bytes(buffer_tokens(context + 17))
+        assert 2 / layers <= staging / full_kv <= 2 / layers * (1 + 256 / context)  # granule rounding
+        assert cache.full_tier_bytes() == layers * layer_bytes(context)  # host memory
+        cache.close()
+
+
+def stock(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, **kwargs)
+
+
+def vericache(model, ids, **kwargs):
+    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.75, draft_length=8)
+    return model.generate(
+        ids, do_sample=False, generation_mode="vericache", vericache_config=config, **kwargs
+    )
+
+
+def no_worker_left() -> bool:
+    for thread in threading.enumerate():
+        if thread.name == "vericache-transfer":
+            thread.join(5)
+    return not any(t.name == "vericache-transfer" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.fixture(scope="module")
+def deep_llama():
+    return tiny_model("llama", num_hidden_layers=6)
+
+
+def test_generate_streams_the_full_tier_and_reports_the_transfers(deep_llama):
+    ids = random_prompt(100, batch=2, seed=11)
+    expected = stock(deep_llama, ids, max_new_tokens=16, return_dict_in_generate=True)
+    out = vericache(deep_llama, ids, max_new_tokens=16, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected.sequences)
+    stats, cache = out.vericache_stats, out.past_key_values
+    layers = deep_llama.config.num_hidden_layers
+    assert stats.layer_transfers > 0 and stats.layer_transfers % layers == 0
+    assert stats.bytes_to_device > 0 and stats.transfer_seconds > 0
+    assert 0.0 <= stats.transfer_hidden_share <= 1.0
+    # Device to host: the prompt, then only accepted tokens -- exactly what the full tier holds.
+    assert stats.bytes_to_host == cache.full_tier_bytes() == stats.full_tier_bytes
+    # Peak device memory of the request against full-KV decoding's DynamicCache.
+    full_kv = sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in expected.past_key_values.layers
+    )
+    kv_tokens = expected.past_key_values.layers[0].keys.shape[-2]
+    assert stats.peak_staging_bytes <= 2 * full_kv // (layers * kv_tokens) * buffer_tokens(kv_tokens)
+    assert 0 < stats.peak_draft_tier_bytes + stats.peak_staging_bytes < full_kv
+    assert no_worker_left()
+
+
+def test_a_transfer_failure_raises_from_generate_and_the_next_call_works(deep_llama, monkeypatch):
+    ids = random_prompt(80, seed=13)
+    original = HostSnapshot.copy_into
+    calls = []
+
+    def failing_copy(self, keys_out, values_out):
+        calls.append(1)
+        if len(calls) == 9:  # layer 2 of the second verify pass
+            raise OSError("injected transfer failure")
+        return original(self, keys_out, values_out)
+
+    monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
+    with pytest.raises(TransferError, match="injected transfer failure"):
+        vericache(deep_llama, ids, max_new_tokens=40)
+    assert len(calls) == 9 and no_worker_left()
+    monkeypatch.setattr(HostSnapshot, "copy_into", original)
+    assert torch.equal(
+        vericache(deep_llama, ids, max_new_tokens=20), stock(deep_llama, ids, max_new_tokens=20)
+    )
+    assert no_worker_left()
+
+
+def test_the_gpu_benchmark_runs_its_cpu_dry_run(tmp_path):
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_offload.py"
+    spec = importlib.util.spec_from_file_location("gpu_offload", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    rows = bench.main(["--dry-run", "--batches", "2", "--json", str(out)])
+    (row,) = rows
+    assert row["vericache"]["tokens_per_s"] > 0 and row["full_kv"]["tokens_per_s"] > 0
+    # Accounting on CPU: draft tier + two staging buffers against the whole KV cache of 6 layers.
+    assert row["vericache"]["device_bytes"] < row["full_kv"]["device_bytes"]
+    # Device to host per round: only the k + 1 accepted tokens (batch 2, 6 layers, 2 KV heads, K+V dims 8+8, fp32).
+    assert row["vericache"]["bytes_to_host"] == 2 * 6 * 2 * (8 + 8) * (3 + 1) * 4
+    assert json.loads(out.read_text()) == rows

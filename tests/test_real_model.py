@@ -1,0 +1,57 @@
+"""The embedded SmolLM2-135M-Instruct in float32: the lossy draft tier alone drifts from full-cache output, and
+VeriCache on the same draft tier reproduces full-cache output exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.lossy import compressed_only_generate, first_divergence
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from vericache_hf.embedded import load_embedded_model
+
+    return load_embedded_model()
+
+
+@pytest.fixture(scope="module")
+def code_prompt(smollm2):
+    from vericache_hf.prompts import humaneval_problems, long_code_prompt
+
+    _, tokenizer = smollm2
+    text = long_code_prompt(tokenizer, humaneval_problems()[0], context_tokens=1200)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def full_output(smollm2, code_prompt):
+    model, _ = smollm2
+    return model.generate(code_prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+@pytest.mark.parametrize("compressor, ratio", [("kivi", 0.875), ("streaming_llm", 0.875)])
+def test_lossy_draft_tier_drifts_but_vericache_is_exact(smollm2, code_prompt, full_output, compressor, ratio):
+    model, _ = smollm2
+    prompt = code_prompt.shape[-1]
+    generated = full_output.shape[-1] - prompt
+    lossy = compressed_only_generate(model, code_prompt, compressor, generated, compression_ratio=ratio)
+    assert first_divergence(full_output, lossy, prompt) < generated, "expected the lossy output to drift"
+
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(compressor=compressor, compression_ratio=ratio, stats=stats)
+    got = model.generate(
+        code_prompt,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+    )
+    assert torch.equal(got, full_output)
+    assert stats.accepted_tokens > 0

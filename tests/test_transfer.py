@@ -1,0 +1,189 @@
+"""The full tier's host store and the transfer engine on CPU: chunked appends, ordering, backpressure, shutdown,
+timeouts and failures. The same queue and worker thread serve CUDA; here copies go into separate CPU buffers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vericache_hf.cache.full_tier import HostKVStore, HostSnapshot
+from vericache_hf.cache.staging import StagingBuffers
+from vericache_hf.cache.transfer import TransferEngine, TransferError
+
+WORKER = "vericache-transfer"
+
+
+def filled_store(
+    tokens: int, seed: int = 0, chunk_tokens: int = 16
+) -> tuple[HostKVStore, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, tokens, 8, generator=generator)
+    values = torch.randn(2, 3, tokens, 4, generator=generator)
+    store = HostKVStore(chunk_tokens)
+    store.append(keys[:, :, : tokens // 3], values[:, :, : tokens // 3])
+    store.append(keys[:, :, tokens // 3 :], values[:, :, tokens // 3 :])
+    return store, keys, values
+
+
+def no_worker_left() -> bool:
+    for thread in threading.enumerate():
+        if thread.name == WORKER:
+            thread.join(5)
+    return not any(t.name == WORKER and t.is_alive() for t in threading.enumerate())
+
+
+def test_store_appends_in_place_across_chunks_and_rolls_back_by_length():
+    store, keys, values = filled_store(50)
+    first_chunk = store.key_chunks[0]
+    pointer = first_chunk.data_ptr()
+    store.append(keys[:, :, :40], values[:, :, :40])  # grows by whole chunks
+    assert store.key_chunks[0] is first_chunk and first_chunk.data_ptr() == pointer
+    assert store.length == 90 and store.capacity == 96
+    out_keys, out_values = torch.empty(2, 3, 90, 8), torch.empty(2, 3, 90, 4)
+    assert store.copy_into(out_keys, out_values) == store.nbytes() == 90 * 2 * 3 * (8 + 4) * 4
+    assert torch.equal(out_keys, torch.cat([keys, keys[:, :, :40]], dim=2))
+    assert torch.equal(out_values, torch.cat([values, values[:, :, :40]], dim=2))
+    store.truncate(50)
+    assert store.length == 50 and store.key_chunks[0] is first_chunk
+
+
+def test_a_snapshot_is_not_disturbed_by_later_appends():
+    store, keys, values = filled_store(20)
+    snapshot = store.snapshot()
+    store.append(keys, values)
+    out_keys, out_values = torch.zeros(2, 3, 40, 8), torch.zeros(2, 3, 40, 4)
+    snapshot.copy_into(out_keys, out_values)
+    assert torch.equal(out_keys[:, :, :20], keys) and not out_keys[:, :, 20:].any()
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        HostKVStore(0)
+    with pytest.raises(ValueError, match="staging buffers"):
+        StagingBuffers(0)
+    with pytest.raises(ValueError, match="timeout"):
+        TransferEngine(timeout=0)
+    with pytest.raises(ValueError, match="prefill"):
+        HostKVStore().snapshot()
+
+
+def test_transfers_arrive_in_order_with_the_stored_tokens():
+    engine = TransferEngine(num_buffers=2, timeout=10)
+    stores = [filled_store(30 + 7 * i, seed=i) for i in range(5)]
+    transfers = [engine.submit(store, "cpu", room=3, label=i) for i, (store, _, _) in enumerate(stores)]
+    for transfer, (store, keys, values) in zip(transfers, stores, strict=True):
+        got_keys, got_values = engine.wait(transfer)
+        assert got_keys.shape[-2] >= store.length + 3
+        assert torch.equal(got_keys[:, :, : store.length], keys)
+        assert torch.equal(got_values[:, :, : store.length], values)
+        assert transfer.bytes == store.nbytes() and transfer.seconds > 0
+        engine.release(transfer)
+    assert [t.state for t in transfers] == ["released"] * 5
+    assert no_worker_left()
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2, 3])
+def test_backpressure_bounds_the_layers_on_the_device(num_buffers):
+    engine = TransferEngine(num_buffers=num_buffers, timeout=10)
+    stores = [filled_store(40, seed=i)[0] for i in range(5)]
+    transfers = [engine.submit(store, "cpu") for store in stores]
+    for transfer in transfers[:num_buffers]:
+        engine.wait(transfer)
+    # Every slot is held: the next transfers wait in the backlog, without a buffer.
+    assert [t.state for t in transfers[num_buffers:]] == ["backlog"] * (5 - num_buffers)
+    assert engine.buffers.held == num_buffers and len(engine.buffers.pairs) == num_buffers
+    engine.release(transfers[0])
+    engine.wait(transfers[num_buffers])
+    assert len(engine.buffers.pairs) == num_buffers  # the freed slot's buffer was reused
+    for transfer in transfers:
+        engine.release(transfer)
+    assert engine.buffers.held == 0 and all(store.transfers_in_flight == 0 for store in stores)
+    assert no_worker_left()
+
+
+def test_a_buffer_too_small_for_the_verify_block_grows_and_keeps_the_stored_tokens():
+    engine = TransferEngine(num_buffers=1, timeout=10)
+    store, keys, _ = filled_store(250)
+    transfer = engine.submit(store, "cpu", room=0)
+    buffer_keys, _ = engine.wait(transfer)
+    assert buffer_keys.shape[-2] == 256
+    grown_keys, _ = engine.grow(transfer, 400)
+    assert grown_keys.shape[-2] >= 400 and torch.equal(grown_keys[:, :, :250], keys)
+    engine.release(transfer)
+
+
+def test_truncating_a_store_with_a_transfer_in_flight_is_refused():
+    engine = TransferEngine(timeout=10)
+    store, _, _ = filled_store(30)
+    transfer = engine.submit(store, "cpu")
+    with pytest.raises(RuntimeError, match="in flight"):
+        store.truncate(10)
+    engine.wait(transfer)
+    engine.release(transfer)
+    store.truncate(10)
+
+
+def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usable(monkeypatch):
+    engine = TransferEngine(num_buffers=2, timeout=10)
+    original = HostSnapshot.copy_into
+    calls = []
+
+    def failing_copy(self, keys_out, values_out):
+        calls.append(self.length)
+        if len(calls) == 2:
+            raise OSError("injected DMA failure")
+        return original(self, keys_out, values_out)
+
+    monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
+    group = object()
+    stores = [filled_store(30, seed=i)[0] for i in range(4)]
+    transfers = [engine.submit(store, "cpu", group=group, label=i) for i, store in enumerate(stores)]
+    engine.wait(transfers[0])
+    engine.release(transfers[0])
+    with pytest.raises(TransferError, match="injected DMA failure"):
+        engine.wait(transfers[1])
+    for later in transfers[2:]:  # the rest of the failed request is cancelled, not left waiting
+        with pytest.raises(TransferError, match="cancelled"):
+            engine.wait(later)
+    assert no_worker_left() and not engine.worker_alive
+    assert engine.buffers.held == 0 and all(store.transfers_in_flight == 0 for store in stores)
+
+    monkeypatch.setattr(HostSnapshot, "copy_into", original)
+    store, keys, _ = filled_store(30, seed=9)
+    transfer = engine.submit(store, "cpu")
+    assert torch.equal(engine.wait(transfer)[0][:, :, :30], keys)
+    engine.release(transfer)
+
+
+def test_a_stuck_worker_times_out_in_the_caller_and_close_stops_it(monkeypatch):
+    engine = TransferEngine(num_buffers=2, timeout=0.5)
+    unblock = threading.Event()
+    original = HostSnapshot.copy_into
+
+    def stuck_copy(self, keys_out, values_out):
+        unblock.wait(10)
+        return original(self, keys_out, values_out)
+
+    monkeypatch.setattr(HostSnapshot, "copy_into", stuck_copy)
+    transfers = [engine.submit(filled_store(20, seed=i)[0], "cpu", label=i) for i in range(3)]
+    with pytest.raises(TransferError, match="did not finish"):
+        engine.wait(transfers[0])
+    assert transfers[2].state == "cancelled"
+    unblock.set()
+    engine.close()
+    assert no_worker_left()
+
+
+def test_close_cancels_pending_transfers_and_stops_the_worker():
+    engine = TransferEngine(num_buffers=1, timeout=10)
+    stores = [filled_store(30, seed=i)[0] for i in range(3)]
+    transfers = [engine.submit(store, "cpu") for store in stores]
+    engine.wait(transfers[0])
+    engine.close()
+    for transfer in transfers[1:]:
+        with pytest.raises(TransferError, match="cancelled"):
+            engine.wait(transfer)
+    engine.release(transfers[0])
+    assert no_worker_left() and engine.buffers.held == 0

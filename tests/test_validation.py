@@ -1,0 +1,138 @@
+"""Bad input gets a clear error that names the problem and the fix; nothing falls back to lossy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, T5Config, T5ForConditionalGeneration
+
+from vericache_hf import VeriCacheConfig
+from vericache_hf.compressors import (
+    KIVICompressor,
+    SnapKVCompressor,
+    StreamingLLMCompressor,
+    build_compressor,
+)
+
+from .conftest import random_prompt, tiny_model
+
+
+def run(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=4, do_sample=False, generation_mode="vericache", **kwargs)
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_config_rejects_ratios_outside_zero_one(ratio):
+    with pytest.raises(ValueError, match="compression_ratio"):
+        VeriCacheConfig(compression_ratio=ratio)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"draft_length": 0}, "draft_length"),
+        ({"draft_schedule": "sometimes"}, "draft_schedule"),
+        ({"min_draft_length": 9, "max_draft_length": 4}, "min_draft_length"),
+        ({"draft_length": 100, "max_draft_length": 64}, "draft_length"),
+    ],
+)
+def test_config_rejects_bad_draft_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VeriCacheConfig(**kwargs)
+
+
+def test_unknown_compressor_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="snapkv"):
+        build_compressor("zipper", 0.5)
+    with pytest.raises(TypeError, match="Compressor"):
+        build_compressor(42, 0.5)
+
+
+def test_quantizer_ratio_that_maps_to_no_bit_width_is_an_error():
+    with pytest.raises(ValueError, match=r"compression_ratio=0\.7.*bits="):
+        KIVICompressor(compression_ratio=0.7)
+    with pytest.raises(ValueError, match="bits"):
+        KIVICompressor(bits=3)
+    assert KIVICompressor(compression_ratio=0.875).bits == 2
+    assert KIVICompressor(bits=4).compression_ratio == 0.75
+
+
+def test_compressor_parameters_are_checked():
+    with pytest.raises(ValueError, match="kernel_size"):
+        SnapKVCompressor(kernel_size=4)
+    with pytest.raises(ValueError, match="n_sink"):
+        StreamingLLMCompressor(n_sink=-1)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        SnapKVCompressor(compression_ratio=1.0)
+
+
+def test_empty_prompt_is_refused(llama):
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        run(llama, torch.zeros((1, 0), dtype=torch.long))
+
+
+def test_prompt_longer_than_the_model_allows_is_refused():
+    model = tiny_model("llama", max_position_embeddings=32)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        run(model, random_prompt(40))
+
+
+def test_sliding_window_model_is_refused():
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=16,
+    )
+    model = MistralForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="sliding"):
+        run(model, random_prompt(8))
+
+
+def test_mistral_without_sliding_window_is_served_exactly():
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+    )
+    model = MistralForCausalLM(config).to(torch.float64).eval()
+    ids = random_prompt(40, seed=2)
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    got = model.generate(ids, max_new_tokens=20, do_sample=False, generation_mode="vericache")
+    assert torch.equal(got, expected)
+
+
+def test_encoder_decoder_model_is_refused():
+    config = T5Config(
+        vocab_size=128, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match="decoder-only"):
+        run(model, random_prompt(6))
+
+
+def test_unknown_generation_mode_is_refused(llama):
+    with pytest.raises(ValueError, match="generation_mode"):
+        llama.generate(random_prompt(5), max_new_tokens=2, generation_mode="lossless-magic")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_beams": 2}, "beam"),
+        ({"use_cache": False}, "use_cache"),
+        ({"cache_implementation": "static"}, "StaticCache"),
+    ],
+)
+def test_generate_settings_that_cannot_be_served_are_refused(llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run(llama, random_prompt(10), **kwargs)
