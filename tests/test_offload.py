@@ -178,3 +178,15 @@ def test_the_gpu_benchmark_runs_its_cpu_dry_run(tmp_path):
     # Device to host per round: only the k + 1 accepted tokens (batch 2, 6 layers, 2 KV heads, K+V dims 8+8, fp32).
     assert row["vericache"]["bytes_to_host"] == 2 * 6 * 2 * (8 + 8) * (3 + 1) * 4
     assert json.loads(out.read_text()) == rows
+
+
+def test_generate_under_inference_mode_matches_stock():
+    """The transfer worker writes into buffers the caller made, also when the caller runs under inference_mode."""
+    model = tiny_model("llama")
+    ids = random_prompt(40, seed=11)
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    with torch.inference_mode():
+        got = model.generate(
+            ids, max_new_tokens=20, do_sample=False, generation_mode="vericache", vericache_config=VeriCacheConfig()
+        )
+    assert torch.equal(got, expected)

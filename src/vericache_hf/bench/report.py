@@ -97,6 +97,8 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
         (out, ref) for s in group for out, ref in zip(s.rows, reference[s.batch_index].rows, strict=True)
     ]
     row["identical_share"] = sum(out == ref for out, ref in pairs) / len(pairs)
+    if judge is not None:  # the first row's text, to read what the numbers judged
+        row["first_output"] = judge.tokenizer.decode(group[0].rows[0], skip_special_tokens=True)
     if workload.kind == "code" and judge is not None:
         _code_quality(row, group, reference, workload, judge)
     _vericache_numbers(row, group)

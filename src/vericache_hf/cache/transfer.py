@@ -50,6 +50,7 @@ class LayerTransfer:
     bytes: int = 0
     seconds: float = 0.0  # copy time (CUDA: measured between events on the copy stream)
     waited: float = 0.0  # time the consumer waited for it (CUDA: stall of the consumer's stream)
+    inference_mode: bool = False  # the consumer's grad mode: buffers made under inference_mode need it to be written
     done: threading.Event = field(default_factory=threading.Event)
     timed: threading.Event = field(default_factory=threading.Event)
     events: dict[str, Any] = field(default_factory=dict)
@@ -94,6 +95,7 @@ class TransferEngine:
     ) -> LayerTransfer:
         """Queue a copy of `store`'s tokens as they are now; transfers are served in submission order."""
         transfer = LayerTransfer(store, store.snapshot(), torch.device(device), max(0, room), group, label)
+        transfer.inference_mode = torch.is_inference_mode_enabled()
         if _cuda(transfer.device):  # the copy must follow the non-blocking appends queued on this stream
             transfer.events["submitted"] = torch.cuda.Event()
             transfer.events["submitted"].record(torch.cuda.current_stream(transfer.device))
@@ -241,7 +243,8 @@ class TransferEngine:
                 transfer.state = "copying"
                 freed = self._free_events.pop(transfer.slot, None)
             try:
-                self._copy(transfer, freed)
+                with torch.inference_mode(transfer.inference_mode):
+                    self._copy(transfer, freed)
             except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 self._fail(transfer, error)
                 continue
