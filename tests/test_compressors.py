@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf import decoding as decoding_module
 from vericache_hf.cache.refresh import RefreshPolicy, check_refreshable, refresh_draft_tier
-from vericache_hf.cache.vericache import VeriCache
 from vericache_hf.compressors import (
     BitsAndBytesCompressor,
     ComposedCompressor,
@@ -154,26 +152,29 @@ def test_compressed_only_decoding_is_exact_without_compression_and_lossy_with_it
     assert first_divergence(reference, lossy, 60) < 20  # this prompt's output does change when 90% is dropped
 
 
-class RefreshingVeriCache(VeriCache):
-    """The hook the loop will call, put where the loop calls commit (the integration under test)."""
-
-    policy: RefreshPolicy | None = None
-
-    def commit(self, count: int, valid: torch.Tensor) -> None:
-        super().commit(count, valid)
-        RefreshingVeriCache.policy.after_commit(self, count, 0.0)
-
-
-def test_refresh_keeps_output_exact(llama, monkeypatch):
-    RefreshingVeriCache.policy = RefreshPolicy(every_tokens=8)
-    monkeypatch.setattr(decoding_module, "VeriCache", RefreshingVeriCache)
+def test_refresh_keeps_output_exact(llama):
+    policy = RefreshPolicy(every_tokens=8)
     ids = random_prompt(50, seed=15)
-    out = vericache(llama, ids, KnormCompressor(0.5), max_new_tokens=40)
+    config = VeriCacheConfig(compressor=KnormCompressor(0.5), refresh=policy)
+    out = llama.generate(
+        ids,
+        max_new_tokens=40,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, stock(llama, ids, max_new_tokens=40))
-    assert RefreshingVeriCache.policy.refreshes >= 2
+    assert policy.refreshes >= 2
     cache = out.past_key_values
     refresh_draft_tier(cache)
     assert cache.layers[0].draft.num_committed == -(-cache.layers[0].full.length // 2)
+
+
+def test_refresh_with_a_query_aware_compressor_is_refused(llama):
+    config = VeriCacheConfig(compressor="snapkv", refresh=RefreshPolicy(every_tokens=8))
+    with pytest.raises(ValueError, match="cannot be refreshed"):
+        llama.generate(random_prompt(20), max_new_tokens=4, generation_mode="vericache", vericache_config=config)
 
 
 def test_refresh_policy_triggers_and_rejects():

@@ -7,6 +7,7 @@ import sys
 
 from .bench import add_bench_command
 from .demo import add_demo_command
+from .table import add_table_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_demo_command(subparsers)
     add_bench_command(subparsers)
+    add_table_command(subparsers)
     return parser
 
 

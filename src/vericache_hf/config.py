@@ -25,6 +25,8 @@ class VeriCacheConfig:
         draft_schedule: `"adaptive"` (lengthens the draft while rounds are fully accepted, shortens it after early
             rejections) or `"fixed"`.
         min_draft_length / max_draft_length: bounds of the adaptive schedule.
+        refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
+            N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
     """
 
@@ -36,9 +38,16 @@ class VeriCacheConfig:
     draft_schedule: str = "adaptive"
     min_draft_length: int = 2
     max_draft_length: int = 64
+    refresh: Any = None
     stats: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        from .cache.refresh import RefreshPolicy
+
+        if self.refresh is not None and not isinstance(self.refresh, RefreshPolicy):
+            raise TypeError(
+                f"refresh must be a vericache_hf.cache.refresh.RefreshPolicy or None, got {type(self.refresh).__name__}."
+            )
         if not isinstance(self.compression_ratio, (int, float)) or not 0.0 <= self.compression_ratio < 1.0:
             raise ValueError(
                 f"compression_ratio must be a fraction in [0, 1) of the KV cache to remove (0.75 keeps a quarter), "

@@ -215,6 +215,8 @@ def decode(
         width = int(counts.max())
         valid = torch.arange(width)[None, :] < counts[:, None]
         cache.commit(width, valid)
+        if cache.refresh_policy is not None:
+            cache.refresh_policy.after_commit(cache, width, sum(accepted[b] for b in active) / len(active))
         index = (counts - 1).clamp(min=0).to(tokens.device)
         pending = tokens.gather(1, index[:, None])[:, 0]
         positions = positions + counts.to(positions.device)

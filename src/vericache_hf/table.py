@@ -156,7 +156,7 @@ def run_table(args: argparse.Namespace) -> int:
 
 
 def add_table_command(subparsers) -> argparse.ArgumentParser:
-    """Add `table` to a CLI's subparsers (the lead's cli.py calls this); the handler is `args.func`."""
+    """Add `table` to a CLI's subparsers (the lead's cli.py calls this); the handler is `args.run`."""
     parser = subparsers.add_parser("table", help="measure the README's compressor table on SmolLM2")
     parser.add_argument("--context-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -166,12 +166,6 @@ def add_table_command(subparsers) -> argparse.ArgumentParser:
         "--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(TABLE_COMPRESSORS)
     )
     parser.add_argument("--output", help="also write the Markdown here")
-    parser.set_defaults(func=run_table)
+    parser.set_defaults(run=run_table)
     return parser
 
-
-if __name__ == "__main__":
-    cli = argparse.ArgumentParser(prog="python -m vericache_hf.table")
-    add_table_command(cli.add_subparsers(dest="command", required=True))
-    arguments = cli.parse_args(["table", *__import__("sys").argv[1:]])
-    raise SystemExit(arguments.func(arguments))

@@ -27,6 +27,7 @@ from ..compressors.base import CompressionContext, Compressor
 from ..stats import VeriCacheStats
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
+from .refresh import RefreshPolicy, check_refreshable
 from .transfer import LayerTransfer, TransferEngine
 
 MODES = ("prefill", "draft", "verify")
@@ -115,7 +116,11 @@ class VeriCache(Cache):
         staging_buffers: int = 2,
         transfer_timeout: float = 60.0,
         transfers: TransferEngine | None = None,
+        refresh_policy: RefreshPolicy | None = None,
     ) -> None:
+        if refresh_policy is not None:
+            check_refreshable(compressor)
+        self.refresh_policy = refresh_policy
         self.compressor = compressor
         self.chunk_tokens = chunk_tokens
         self.stats = stats if stats is not None else VeriCacheStats()
