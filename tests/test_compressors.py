@@ -174,7 +174,9 @@ def test_refresh_keeps_output_exact(llama):
 def test_refresh_with_a_query_aware_compressor_is_refused(llama):
     config = VeriCacheConfig(compressor="snapkv", refresh=RefreshPolicy(every_tokens=8))
     with pytest.raises(ValueError, match="cannot be refreshed"):
-        llama.generate(random_prompt(20), max_new_tokens=4, generation_mode="vericache", vericache_config=config)
+        llama.generate(
+            random_prompt(20), max_new_tokens=4, generation_mode="vericache", vericache_config=config
+        )
 
 
 def test_refresh_policy_triggers_and_rejects():

@@ -187,6 +187,10 @@ def test_generate_under_inference_mode_matches_stock():
     expected = model.generate(ids, max_new_tokens=20, do_sample=False)
     with torch.inference_mode():
         got = model.generate(
-            ids, max_new_tokens=20, do_sample=False, generation_mode="vericache", vericache_config=VeriCacheConfig()
+            ids,
+            max_new_tokens=20,
+            do_sample=False,
+            generation_mode="vericache",
+            vericache_config=VeriCacheConfig(),
         )
     assert torch.equal(got, expected)

@@ -55,7 +55,9 @@ class VeriCacheConfig:
             )
         budget = self.compression_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"compression_budget must be a positive number of tokens or None, got {budget!r}.")
+            raise ValueError(
+                f"compression_budget must be a positive number of tokens or None, got {budget!r}."
+            )
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
         for name in ("draft_length", "min_draft_length", "max_draft_length"):

@@ -19,8 +19,5 @@ class DraftLengthSchedule:
     def update(self, drafted: int, mean_accepted: float) -> None:
         if not self.adaptive or drafted < self.current:
             return  # a draft cut short by the length budget says nothing about acceptance
-        if mean_accepted >= drafted:
-            proposal = 2 * drafted
-        else:
-            proposal = math.ceil(1.5 * mean_accepted) + 1
+        proposal = 2 * drafted if mean_accepted >= drafted else math.ceil(1.5 * mean_accepted) + 1
         self.current = min(self.high, max(self.low, proposal))

@@ -168,4 +168,3 @@ def add_table_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--output", help="also write the Markdown here")
     parser.set_defaults(run=run_table)
     return parser
-

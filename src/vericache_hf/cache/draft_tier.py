@@ -52,7 +52,9 @@ class DraftStore(ABC):
 class TokenStore(DraftStore):
     """Full-precision tokens in a preallocated buffer that grows geometrically; drafts sit after the committed slots."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, headroom: int = 128) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, headroom: int = 128
+    ) -> None:
         batch, heads, length, dim = keys.shape
         capacity = length + headroom
         self.keys = keys.new_empty((batch, heads, capacity, dim))

@@ -50,7 +50,9 @@ class LayerTransfer:
     bytes: int = 0
     seconds: float = 0.0  # copy time (CUDA: measured between events on the copy stream)
     waited: float = 0.0  # time the consumer waited for it (CUDA: stall of the consumer's stream)
-    inference_mode: bool = False  # the consumer's grad mode: buffers made under inference_mode need it to be written
+    inference_mode: bool = (
+        False  # the consumer's grad mode: buffers made under inference_mode need it to be written
+    )
     done: threading.Event = field(default_factory=threading.Event)
     timed: threading.Event = field(default_factory=threading.Event)
     events: dict[str, Any] = field(default_factory=dict)

@@ -44,7 +44,9 @@ class StreamingLLMCompressor(ScorerCompressor):
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"StreamingLLMCompressor.n_sink must be a non-negative integer, got {self.n_sink!r}.")
+            raise ValueError(
+                f"StreamingLLMCompressor.n_sink must be a non-negative integer, got {self.n_sink!r}."
+            )
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         valid = context.valid.to(keys.device)
