@@ -79,7 +79,8 @@ def check_generation(
             "VeriCache does not return attentions or hidden states (its passes cover a draft tier and blocks of "
             "tokens); remove output_attentions / output_hidden_states, or drop generation_mode='vericache'."
         )
-    cache = model_kwargs.get("past_key_values")
+    # transformers >= 5.24 names generate's cache kwarg `cache`; earlier releases `past_key_values`
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if isinstance(cache, Cache) and (cache.get_seq_length() > 0 or type(cache).__name__ != "DynamicCache"):
         raise ValueError(
             f"VeriCache builds its own two-tier cache; a {type(cache).__name__} was passed in past_key_values. "
