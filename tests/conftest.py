@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import vericache_hf  # noqa: F401  (registers generation_mode="vericache")
 
@@ -30,18 +39,25 @@ def tiny_config(family: str, **overrides):
         eos_token_id=2,
         pad_token_id=0,
     )
+    if family in ("qwen2", "qwen3"):
+        common["use_sliding_window"] = False
+    if family == "mistral":
+        common["sliding_window"] = None
     common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
-    raise ValueError(family)
+    return FAMILIES[family][0](**common)
+
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
 
 
 def tiny_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model_class = LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM
-    model = model_class(tiny_config(family, **overrides)).to(torch.float64).eval()
+    model = FAMILIES[family][1](tiny_config(family, **overrides)).to(torch.float64).eval()
     # Sharpen the output distribution so that random weights produce long runs a draft can follow.
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import vericache_hf
 from vericache_hf import VeriCacheConfig
 
-from .conftest import random_prompt
+from .conftest import random_prompt, tiny_model
 
 COMPRESSORS = ["streaming_llm", "snapkv", "kivi"]
 RATIOS = {"streaming_llm": [0.5, 0.75, 0.9], "snapkv": [0.5, 0.75, 0.9], "kivi": [0.5, 0.75, 0.875]}
@@ -109,21 +109,7 @@ def test_stats_are_reported_and_accumulated(llama):
 
 
 def test_qwen3_with_query_norms_matches_stock():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        use_sliding_window=False,
-    )
-    model = Qwen3ForCausalLM(config).to(torch.float64).eval()
+    model = tiny_model("qwen3", head_dim=16)
     ids = random_prompt(50, seed=8)
     expected = stock(model, ids, max_new_tokens=30)
     for compressor in COMPRESSORS:

@@ -55,3 +55,15 @@ def test_lossy_draft_tier_drifts_but_vericache_is_exact(smollm2, code_prompt, fu
     )
     assert torch.equal(got, full_output)
     assert stats.accepted_tokens > 0
+
+
+def test_demo_command_shows_identical_output(smollm2, capsys):
+    from vericache_hf.cli import main
+
+    assert (
+        main(["demo", "--context-tokens", "600", "--max-new-tokens", "24", "--compressor", "streaming_llm"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "identical to full-cache output: True" in out
+    assert "tok/s" in out and "Acceptance:" in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import T5Config, T5ForConditionalGeneration
 
 from vericache_hf import VeriCacheConfig
 from vericache_hf.compressors import (
@@ -78,33 +78,13 @@ def test_prompt_longer_than_the_model_allows_is_refused():
 
 
 def test_sliding_window_model_is_refused():
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=16,
-    )
-    model = MistralForCausalLM(config).eval()
+    model = tiny_model("mistral", sliding_window=16)
     with pytest.raises(ValueError, match="sliding"):
         run(model, random_prompt(8))
 
 
 def test_mistral_without_sliding_window_is_served_exactly():
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=None,
-    )
-    model = MistralForCausalLM(config).to(torch.float64).eval()
+    model = tiny_model("mistral")
     ids = random_prompt(40, seed=2)
     expected = model.generate(ids, max_new_tokens=20, do_sample=False)
     got = model.generate(ids, max_new_tokens=20, do_sample=False, generation_mode="vericache")

@@ -5,10 +5,11 @@ drafts on a compressed KV cache and verifies against the full one, so greedy out
 """
 
 from .cache import VeriCache
+from .cache.refresh import RefreshPolicy
 from .compressors import Compressor, available_compressors
 from .config import VeriCacheConfig
 from .decoding import VeriCacheGenerateOutput, generate
-from .registration import register, vericache_generate
+from .registration import register, set_default_mode, vericache_generate
 from .stats import VeriCacheStats
 
 register()
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compressor",
+    "RefreshPolicy",
     "VeriCache",
     "VeriCacheConfig",
     "VeriCacheGenerateOutput",
@@ -24,5 +26,6 @@ __all__ = [
     "available_compressors",
     "generate",
     "register",
+    "set_default_mode",
     "vericache_generate",
 ]
