@@ -130,15 +130,20 @@ def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usab
     original = HostSnapshot.copy_into
     stores = [filled_store(30, seed=i)[0] for i in range(4)]
 
+    all_submitted = threading.Event()
+
     def failing_copy(self, keys_out, values_out):
-        # Only this test's second store fails: a worker of another engine may still be copying elsewhere.
+        # Only this test's second store fails, and only once the whole request is queued: a failure cancels what
+        # is pending, and a transfer submitted after the failure is a new request's business.
         if self.key_chunks[0] is stores[1].key_chunks[0]:
+            all_submitted.wait(10)
             raise OSError("injected DMA failure")
         return original(self, keys_out, values_out)
 
     monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
     group = object()
     transfers = [engine.submit(store, "cpu", group=group, label=i) for i, store in enumerate(stores)]
+    all_submitted.set()
     engine.wait(transfers[0])
     engine.release(transfers[0])
     with pytest.raises(TransferError, match="injected DMA failure"):
