@@ -16,7 +16,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import vericache_hf  # noqa: F401  (registers generation_mode="vericache")
+import vericache_hf  # registers generation_mode="vericache"
 
 VOCAB = 96
 
@@ -77,3 +77,16 @@ def llama():
 def random_prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def vericache_dict(model, ids, compressor, **kwargs):
+    """Greedy VeriCache with a given compressor and a short fixed start, returning the dict output."""
+    config = vericache_hf.VeriCacheConfig(compressor=compressor, draft_length=6)
+    return model.generate(
+        ids,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+        return_dict_in_generate=True,
+        **kwargs,
+    )

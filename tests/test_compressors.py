@@ -25,6 +25,7 @@ from vericache_hf.compressors.quantized import require
 from vericache_hf.lossy import compressed_only_generate, first_divergence
 
 from .conftest import random_prompt
+from .conftest import vericache_dict as vericache
 
 SMALL = {"group_size": 8, "residual_length": 4}  # quantize during a short test run, not only at prefill
 
@@ -57,18 +58,6 @@ IDS = [entry.values[0] if hasattr(entry, "values") else entry[0] for entry in RE
 
 def stock(model, ids, **kwargs):
     return model.generate(ids, do_sample=False, **kwargs)
-
-
-def vericache(model, ids, compressor, **kwargs):
-    config = VeriCacheConfig(compressor=compressor, draft_length=6)
-    return model.generate(
-        ids,
-        do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize(("name", "factory"), REGISTRY, ids=IDS)

@@ -32,15 +32,6 @@ LONG_DRAFTS = VeriCacheConfig(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one thread, above all on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer for the tiny models' vocabulary, built without the Hub."""
     chars = (string.ascii_letters + string.digits + string.punctuation)[: VOCAB - 3]

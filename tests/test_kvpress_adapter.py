@@ -15,6 +15,7 @@ from vericache_hf import VeriCacheConfig
 from vericache_hf.compressors.kvpress_adapter import KVPressCompressor, import_kvpress
 
 from .conftest import random_prompt, tiny_model
+from .conftest import vericache_dict as run
 
 pytest.importorskip("kvpress")
 kvpress = import_kvpress()
@@ -30,18 +31,6 @@ PRESSES = [
     (kvpress.RandomPress, {"compression_ratio": 0.5}),
     (kvpress.PyramidKVPress, {"compression_ratio": 0.5, "window_size": 8}),
 ]
-
-
-def run(model, ids, compressor, **kwargs):
-    config = VeriCacheConfig(compressor=compressor, draft_length=6)
-    return model.generate(
-        ids,
-        do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
 
 
 @pytest.fixture(scope="module")

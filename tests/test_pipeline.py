@@ -19,14 +19,6 @@ from .test_generate_parity import tiny_tokenizer
 PROMPT = "Hello,world!"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def pipes():
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()

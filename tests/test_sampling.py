@@ -21,15 +21,6 @@ ALPHA = 1e-3
 SAMPLING = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.95, repetition_penalty=1.2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one thread, above all on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def small():
     return tiny_model(
