@@ -3,7 +3,7 @@
   full-kv     greedy decoding with the whole KV cache in device memory (where it fits);
   offloaded   greedy decoding with transformers' `DynamicCache(offloading=True)` (CUDA only);
   vericache   draft on a StreamingLLM draft tier on the device, verify against the full tier in pinned host memory,
-              streamed layer by layer by the transfer engine,
+              streamed chunk by chunk (layer by layer) by the transfer engine,
 
 on random-weight Llama configs of about 1B and 8B parameters, contexts of 32k and 128k tokens, batch 1 and 8 (the
 combinations whose KV cache fits the GPU's, or the host's, memory). Run: `python benchmarks/gpu_offload.py`
@@ -28,6 +28,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from vericache_hf import VeriCache
 from vericache_hf.compressors import build_compressor
+from vericache_hf.loop import forward
 
 SIZES = {  # Llama-3.2-1B- and Llama-3.1-8B-shaped; "small" and "tiny" are for CPU runs
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
@@ -85,14 +86,13 @@ def device_bytes_now(device: str) -> int:
     return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
 
 
-def step(model, cache, tokens, positions, mask=None):
-    """One forward of (B, q) tokens at absolute start `positions`; returns the greedy choice of the last one."""
+def step(model, cache, tokens, positions):
+    """One full-KV forward of (B, q) tokens at absolute start `positions`; returns the greedy choice of the last."""
     query = tokens.shape[-1]
     position_ids = positions[:, None] + torch.arange(query, device=tokens.device)
     out = model(
         input_ids=tokens,
         position_ids=position_ids,
-        attention_mask=mask,
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
@@ -132,7 +132,9 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
         torch.cuda.reset_peak_memory_stats()
     compressor = build_compressor("streaming_llm", args.compression_ratio)
     layers = model.config.num_hidden_layers
-    cache = VeriCache(layers, compressor, chunk_tokens=4096, staging_buffers=args.staging_buffers)
+    cache = VeriCache(
+        layers, compressor, chunk_tokens=args.chunk_tokens, staging_buffers=args.staging_buffers
+    )
     cache.start(torch.ones(batch, context, dtype=torch.long, device=device))
     for layer in range(model.config.num_hidden_layers):
         cache.update(*random_kv(model, batch, context, device, dtype, layer), layer)
@@ -147,12 +149,12 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
     def one_round(index: int) -> None:
         start = index * (k + 1)
         block = continuation[:, start : start + k + 1]  # pending token + k drafts the verifier accepts
-        cache.prefetch_for_verify(k + 1)
+        cache.prefetch_for_verify()
         cache.set_mode("draft")
         for i in range(k):  # teacher-forced draft: the draft is fed the continuation
-            step(model, cache, block[:, i : i + 1], positions + start + i, cache.attention_mask(1))
+            forward(model, cache, block[:, i : i + 1], positions + start + i)
         cache.set_mode("verify")
-        step(model, cache, block, positions + start, cache.attention_mask(k + 1))
+        forward(model, cache, block, positions + start)
         cache.commit(k + 1, valid)
 
     one_round(0)  # warm-up
@@ -213,7 +215,12 @@ def parse(argv=None):
     parser.add_argument("--rounds", type=int, help="timed VeriCache rounds per configuration (default 2)")
     parser.add_argument("--baseline-tokens", type=int, help="timed tokens per baseline run (default 16)")
     parser.add_argument("--compression-ratio", type=float, default=0.875)
-    parser.add_argument("--staging-buffers", type=int, default=2)
+    parser.add_argument(
+        "--staging-buffers", type=int, default=2, help="chunks of the full tier on the device"
+    )
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=4096, help="tokens per host chunk and per transfer"
+    )
     parser.add_argument(
         "--budget-s", type=float, default=420, help="skip what is left after this many seconds"
     )

@@ -42,7 +42,7 @@ def test_store_appends_in_place_across_chunks_and_rolls_back_by_length():
     assert store.key_chunks[0] is first_chunk and first_chunk.data_ptr() == pointer
     assert store.length == 90 and store.capacity == 96
     out_keys, out_values = torch.empty(2, 3, 90, 8), torch.empty(2, 3, 90, 4)
-    assert store.copy_into(out_keys, out_values) == store.nbytes() == 90 * 2 * 3 * (8 + 4) * 4
+    assert store.snapshot().copy_into(out_keys, out_values) == store.nbytes() == 90 * 2 * 3 * (8 + 4) * 4
     assert torch.equal(out_keys, torch.cat([keys, keys[:, :, :40]], dim=2))
     assert torch.equal(out_values, torch.cat([values, values[:, :, :40]], dim=2))
     store.truncate(50)
@@ -69,26 +69,30 @@ def test_bad_arguments_are_refused_with_the_fix():
         HostKVStore().snapshot()
 
 
-def test_transfers_arrive_in_order_with_the_stored_tokens():
+def test_chunks_arrive_in_order_with_the_stored_tokens():
     engine = TransferEngine(num_buffers=2, timeout=10)
     stores = [filled_store(30 + 7 * i, seed=i) for i in range(5)]
-    transfers = [engine.submit(store, "cpu", room=3, label=i) for i, (store, _, _) in enumerate(stores)]
-    for transfer, (store, keys, values) in zip(transfers, stores, strict=True):
-        got_keys, got_values = engine.wait(transfer)
-        assert got_keys.shape[-2] >= store.length + 3
-        assert torch.equal(got_keys[:, :, : store.length], keys)
-        assert torch.equal(got_values[:, :, : store.length], values)
-        assert transfer.bytes == store.nbytes() and transfer.seconds > 0
-        engine.release(transfer)
-    assert [t.state for t in transfers] == ["released"] * 5
+    layers = [engine.submit(store, "cpu", label=i) for i, (store, _, _) in enumerate(stores)]
+    for chunks, (store, keys, values) in zip(layers, stores, strict=True):
+        assert [t.chunk for t in chunks] == list(range(-(-store.length // 16)))
+        got_keys = []
+        for transfer in chunks:
+            chunk_keys, chunk_values = engine.wait(transfer)
+            span = slice(transfer.start, transfer.start + transfer.tokens)
+            assert torch.equal(chunk_values, values[:, :, span]) and transfer.seconds > 0
+            got_keys.append(chunk_keys.clone())
+            engine.release(transfer)
+        assert torch.equal(torch.cat(got_keys, dim=2), keys)
+        assert sum(t.bytes for t in chunks) == store.nbytes()
+    assert all(t.state == "released" for chunks in layers for t in chunks)
     assert no_worker_left()
 
 
 @pytest.mark.parametrize("num_buffers", [1, 2, 3])
-def test_backpressure_bounds_the_layers_on_the_device(num_buffers):
+def test_backpressure_bounds_the_chunks_on_the_device(num_buffers):
     engine = TransferEngine(num_buffers=num_buffers, timeout=10)
-    stores = [filled_store(40, seed=i)[0] for i in range(5)]
-    transfers = [engine.submit(store, "cpu") for store in stores]
+    stores = [filled_store(12, seed=i)[0] for i in range(5)]  # one chunk each
+    transfers = [transfer for store in stores for transfer in engine.submit(store, "cpu")]
     for transfer in transfers[:num_buffers]:
         engine.wait(transfer)
     # Every slot is held: the next transfers wait in the backlog, without a buffer.
@@ -103,46 +107,45 @@ def test_backpressure_bounds_the_layers_on_the_device(num_buffers):
     assert no_worker_left()
 
 
-def test_a_buffer_too_small_for_the_verify_block_grows_and_keeps_the_stored_tokens():
-    engine = TransferEngine(num_buffers=1, timeout=10)
-    store, keys, _ = filled_store(250)
-    transfer = engine.submit(store, "cpu", room=0)
-    buffer_keys, _ = engine.wait(transfer)
-    assert buffer_keys.shape[-2] == 256
-    grown_keys, _ = engine.grow(transfer, 400)
-    assert grown_keys.shape[-2] >= 400 and torch.equal(grown_keys[:, :, :250], keys)
-    engine.release(transfer)
+@pytest.mark.parametrize("tokens", [20, 250, 1000])
+def test_staging_buffers_are_chunk_sized_whatever_the_length(tokens):
+    engine = TransferEngine(num_buffers=2, timeout=10)
+    store, _, _ = filled_store(tokens)
+    for transfer in engine.submit(store, "cpu"):
+        engine.wait(transfer)
+        engine.release(transfer)
+    assert engine.buffers.peak_bytes == 2 * 2 * 3 * 16 * (8 + 4) * 4  # two 16-token chunks of (B=2, H=3)
 
 
 def test_truncating_a_store_with_a_transfer_in_flight_is_refused():
     engine = TransferEngine(timeout=10)
     store, _, _ = filled_store(30)
-    transfer = engine.submit(store, "cpu")
+    (transfer, _) = engine.submit(store, "cpu")
     with pytest.raises(RuntimeError, match="in flight"):
         store.truncate(10)
-    engine.wait(transfer)
+    engine.close()
     engine.release(transfer)
     store.truncate(10)
 
 
 def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usable(monkeypatch):
     engine = TransferEngine(num_buffers=2, timeout=10)
-    original = HostSnapshot.copy_into
-    stores = [filled_store(30, seed=i)[0] for i in range(4)]
+    original = HostSnapshot.copy_chunk_into
+    stores = [filled_store(12, seed=i)[0] for i in range(4)]
 
     all_submitted = threading.Event()
 
-    def failing_copy(self, keys_out, values_out):
+    def failing_copy(self, chunk, keys_out, values_out):
         # Only this test's second store fails, and only once the whole request is queued: a failure cancels what
         # is pending, and a transfer submitted after the failure is a new request's business.
         if self.key_chunks[0] is stores[1].key_chunks[0]:
             all_submitted.wait(10)
             raise OSError("injected DMA failure")
-        return original(self, keys_out, values_out)
+        return original(self, chunk, keys_out, values_out)
 
-    monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
+    monkeypatch.setattr(HostSnapshot, "copy_chunk_into", failing_copy)
     group = object()
-    transfers = [engine.submit(store, "cpu", group=group, label=i) for i, store in enumerate(stores)]
+    transfers = [engine.submit(store, "cpu", group=group, label=i)[0] for i, store in enumerate(stores)]
     all_submitted.set()
     engine.wait(transfers[0])
     engine.release(transfers[0])
@@ -154,24 +157,24 @@ def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usab
     assert no_worker_left() and not engine.worker_alive
     assert engine.buffers.held == 0 and all(store.transfers_in_flight == 0 for store in stores)
 
-    monkeypatch.setattr(HostSnapshot, "copy_into", original)
-    store, keys, _ = filled_store(30, seed=9)
-    transfer = engine.submit(store, "cpu")
-    assert torch.equal(engine.wait(transfer)[0][:, :, :30], keys)
+    monkeypatch.setattr(HostSnapshot, "copy_chunk_into", original)
+    store, keys, _ = filled_store(12, seed=9)
+    (transfer,) = engine.submit(store, "cpu")
+    assert torch.equal(engine.wait(transfer)[0], keys)
     engine.release(transfer)
 
 
 def test_a_stuck_worker_times_out_in_the_caller_and_close_stops_it(monkeypatch):
     engine = TransferEngine(num_buffers=2, timeout=0.5)
     unblock = threading.Event()
-    original = HostSnapshot.copy_into
+    original = HostSnapshot.copy_chunk_into
 
-    def stuck_copy(self, keys_out, values_out):
+    def stuck_copy(self, chunk, keys_out, values_out):
         unblock.wait(10)
-        return original(self, keys_out, values_out)
+        return original(self, chunk, keys_out, values_out)
 
-    monkeypatch.setattr(HostSnapshot, "copy_into", stuck_copy)
-    transfers = [engine.submit(filled_store(20, seed=i)[0], "cpu", label=i) for i in range(3)]
+    monkeypatch.setattr(HostSnapshot, "copy_chunk_into", stuck_copy)
+    transfers = [engine.submit(filled_store(12, seed=i)[0], "cpu", label=i)[0] for i in range(3)]
     with pytest.raises(TransferError, match="did not finish"):
         engine.wait(transfers[0])
     assert transfers[2].state == "cancelled"
@@ -182,8 +185,8 @@ def test_a_stuck_worker_times_out_in_the_caller_and_close_stops_it(monkeypatch):
 
 def test_close_cancels_pending_transfers_and_stops_the_worker():
     engine = TransferEngine(num_buffers=1, timeout=10)
-    stores = [filled_store(30, seed=i)[0] for i in range(3)]
-    transfers = [engine.submit(store, "cpu") for store in stores]
+    stores = [filled_store(12, seed=i)[0] for i in range(3)]
+    transfers = [engine.submit(store, "cpu")[0] for store in stores]
     engine.wait(transfers[0])
     engine.close()
     for transfer in transfers[1:]:

@@ -25,6 +25,12 @@ class VeriCacheConfig:
         draft_schedule: `"adaptive"` (lengthens the draft while rounds are fully accepted, shortens it after early
             rejections) or `"fixed"`.
         min_draft_length / max_draft_length: bounds of the adaptive schedule.
+        chunk_tokens: tokens per host chunk of the full tier, which is also the unit streamed to the device for
+            verification (bigger chunks mean fewer, larger copies; device memory for the full tier grows with it).
+        staging_buffers: chunks of the full tier that may be on the device at once (2: one copies while one is
+            read). Device memory for the full tier is at most `staging_buffers * chunk_tokens` tokens of one layer,
+            whatever the context length.
+        transfer_timeout: seconds any wait on a full-tier transfer may take before it raises.
         refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
             N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
@@ -38,6 +44,9 @@ class VeriCacheConfig:
     draft_schedule: str = "adaptive"
     min_draft_length: int = 2
     max_draft_length: int = 64
+    chunk_tokens: int = 2048
+    staging_buffers: int = 2
+    transfer_timeout: float = 60.0
     refresh: Any = None
     stats: Any = field(default=None, repr=False, compare=False)
 
@@ -60,7 +69,17 @@ class VeriCacheConfig:
             )
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
-        for name in ("draft_length", "min_draft_length", "max_draft_length"):
+        if isinstance(self.transfer_timeout, bool) or not isinstance(self.transfer_timeout, (int, float)):
+            raise ValueError(f"transfer_timeout must be a number of seconds, got {self.transfer_timeout!r}.")
+        if self.transfer_timeout <= 0:
+            raise ValueError(f"transfer_timeout must be positive, got {self.transfer_timeout!r}.")
+        for name in (
+            "draft_length",
+            "min_draft_length",
+            "max_draft_length",
+            "chunk_tokens",
+            "staging_buffers",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -74,7 +74,15 @@ def generate(
     compressor = build_compressor(
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
-    cache = VeriCache(model.config.num_hidden_layers, compressor, stats=stats, refresh_policy=config.refresh)
+    cache = VeriCache(
+        model.config.num_hidden_layers,
+        compressor,
+        stats=stats,
+        chunk_tokens=config.chunk_tokens,
+        staging_buffers=config.staging_buffers,
+        transfer_timeout=config.transfer_timeout,
+        refresh_policy=config.refresh,
+    )
     pad = generation_config._pad_token_tensor
     io = DecodeIO(
         logits_processor=logits_processor or LogitsProcessorList(),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from .cache.attention import streamed_verify
 from .cache.vericache import VeriCache
 from .draft_length import DraftLengthSchedule
 from .verify import choose, greedy_accept, speculative_accept
@@ -78,17 +79,22 @@ def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor, logits: torch.T
 
 
 def forward(model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier `cache.mode` selects."""
+    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier `cache.mode` selects. A verify pass
+    attends to the full tier chunk by chunk as it streams in (`cache/attention.py`)."""
     query = tokens.shape[-1]
     position_ids = positions[:, None] + torch.arange(query, device=positions.device)
-    outputs = model(
+    inputs = dict(
         input_ids=tokens,
         position_ids=position_ids,
-        attention_mask=cache.attention_mask(query),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=query,
     )
+    if cache.mode == "verify":
+        with streamed_verify(model):
+            outputs = model(**inputs, vericache_chunks=cache.chunks_for_verify)
+    else:
+        outputs = model(**inputs, attention_mask=cache.attention_mask(query))
     return outputs.logits[:, -query:]
 
 
@@ -135,7 +141,7 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
 def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
     """k steps on the draft tier, choosing from the processed draft distribution as stock `generate` would;
     returns (B, k) drafted tokens and, when sampling, their (B, k, V) draft probabilities."""
-    cache.prefetch_for_verify(k + 1)  # the full tier's first layers copy to the device while the draft runs
+    cache.prefetch_for_verify()  # the full tier's first chunks copy to the device while the draft runs
     cache.set_mode("draft")
     drafts = pending.new_empty((pending.shape[0], k))
     probs = [] if io.do_sample else None

@@ -16,7 +16,8 @@ class VeriCacheStats:
     the full tier (the prompt, then only newly accepted tokens). `transfer_seconds` is the time the copies took,
     `transfer_wait_seconds` the time the verify pass waited on them; the rest was hidden behind drafting and
     compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
-    (the full tier's layer buffers) are device memory; `full_tier_bytes` is host memory.
+    (the full tier's chunk buffers) are device memory; `full_tier_bytes` is host memory. `compress_seconds` is the
+    compressor's share of `prefill_seconds` (and of refreshes).
     """
 
     rounds: int = 0
@@ -28,12 +29,13 @@ class VeriCacheStats:
     bytes_to_host: int = 0
     draft_tier_bytes: int = 0
     full_tier_bytes: int = 0
-    layer_transfers: int = 0
+    chunk_transfers: int = 0
     transfer_seconds: float = 0.0
     transfer_wait_seconds: float = 0.0
     peak_draft_tier_bytes: int = 0
     peak_staging_bytes: int = 0
     prefill_seconds: float = 0.0
+    compress_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accepted_per_round: list[float] = field(default_factory=list)
@@ -73,14 +75,3 @@ class VeriCacheStats:
                 mine.extend(theirs)
             else:
                 setattr(self, item.name, mine + theirs)
-
-    def summary(self) -> dict[str, float]:
-        """Flat numbers for printing or JSON."""
-        data = {
-            item.name: getattr(self, item.name) for item in fields(self) if not item.name.endswith("_round")
-        }
-        data.pop("draft_lengths")
-        data["mean_accepted_per_round"] = round(self.mean_accepted_per_round, 3)
-        data["acceptance_rate"] = round(self.acceptance_rate, 3)
-        data["transfer_hidden_share"] = round(self.transfer_hidden_share, 3)
-        return data

@@ -45,17 +45,33 @@ class HostSnapshot:
         batch, heads, key_dim, value_dim = self.shape
         return self.length * batch * heads * (key_dim + value_dim) * self.key_chunks[0].element_size()
 
+    @property
+    def num_chunks(self) -> int:
+        return len(self.key_chunks)
+
+    def chunk_span(self, chunk: int) -> tuple[int, int]:
+        """(first token, token count) of chunk `chunk`."""
+        start = chunk * self.chunk_tokens
+        return start, min(self.chunk_tokens, self.length - start)
+
+    def copy_chunk_into(self, chunk: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
+        """Copy chunk `chunk`'s tokens into the first slots of (B, H, >=chunk_tokens, D) buffers; returns the bytes
+        moved. Copies are `non_blocking`: on CUDA with pinned chunks they run on the caller's current stream."""
+        _, take = self.chunk_span(chunk)
+        keys, values = self.key_chunks[chunk][:, :, :take], self.value_chunks[chunk][:, :, :take]
+        keys_out[:, :, :take].copy_(keys, non_blocking=True)
+        values_out[:, :, :take].copy_(values, non_blocking=True)
+        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
     def copy_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
-        """Copy the tokens into the first `length` slots of (B, H, >=length, D) buffers; returns the bytes moved.
-        Copies are `non_blocking`: on CUDA with pinned chunks they run on the caller's current stream."""
-        for chunk, (keys, values) in enumerate(zip(self.key_chunks, self.value_chunks, strict=True)):
-            start = chunk * self.chunk_tokens
-            take = min(self.chunk_tokens, self.length - start)
-            if take <= 0:
-                break
-            keys_out[:, :, start : start + take].copy_(keys[:, :, :take], non_blocking=True)
-            values_out[:, :, start : start + take].copy_(values[:, :, :take], non_blocking=True)
-        return self.nbytes() if self.key_chunks else 0
+        """Copy every stored token into the first `length` slots of (B, H, >=length, D) buffers."""
+        moved = 0
+        for chunk in range(self.num_chunks):
+            start, take = self.chunk_span(chunk)
+            moved += self.copy_chunk_into(
+                chunk, keys_out[:, :, start : start + take], values_out[:, :, start : start + take]
+            )
+        return moved
 
 
 class HostKVStore:
@@ -123,10 +139,6 @@ class HostKVStore:
         return HostSnapshot(
             self.length, self.chunk_tokens, tuple(self.key_chunks[:used]), tuple(self.value_chunks[:used])
         )
-
-    def copy_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
-        """Copy the stored tokens into the first `length` slots of device buffers; returns the bytes moved."""
-        return self.snapshot().copy_into(keys_out, values_out) if self.length else 0
 
     def nbytes(self) -> int:
         """Host bytes held by the stored tokens (not the unused tail of the last chunk)."""

@@ -3,8 +3,8 @@
 A draft tier built at prefill drifts from what its method would keep now (new tokens are only appended or
 windowed). A `RefreshPolicy` rebuilds every layer's draft tier from the exact full tier every `every_tokens` committed
 tokens, or when the mean accepted run of recent rounds falls below `min_accepted`. Verification makes any draft tier
-lossless, so a refresh changes speed, never output. It costs one host-to-device copy of the full tier plus one
-compression per layer; `refresh_seconds` records it.
+lossless, so a refresh changes speed, never output. It costs one host-to-device copy of the full tier (streamed
+through the transfer engine, one layer on the device at a time) plus one compression per layer; `refresh_seconds` records it.
 
 Only compressors that work from K/V alone can refresh (`needs_hidden_states` False: StreamingLLM, KNorm, the
 quantizers, compositions of these); query-aware methods (SnapKV, H2O, kvpress presses) need the prompt's hidden
@@ -16,8 +16,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
 
 from ..compressors.base import CompressionContext, Compressor
 
@@ -41,18 +39,11 @@ def refresh_draft_tier(cache) -> None:
     for layer in cache.layers:
         if layer.draft is None:
             raise RuntimeError("refresh_draft_tier needs a prefilled cache.")
-        store = layer.full
-        template = layer.draft.valid
-        batch = template.shape[0]
-        reference = store.key_chunks[0]
-        shape = (batch, reference.shape[1], store.length)
-        keys = torch.empty((*shape, reference.shape[-1]), dtype=reference.dtype, device=layer.device)
-        values = torch.empty(
-            (*shape, store.value_chunks[0].shape[-1]), dtype=reference.dtype, device=layer.device
-        )
-        store.copy_into(keys, values)
+        keys, values = cache.layer_full_tier(layer.layer_idx)
         context = CompressionContext(layer_idx=layer.layer_idx, valid=cache.full_valid.to(layer.device))
+        started = time.perf_counter()
         layer.draft = cache.compressor.compress(keys.to(layer.dtype), values.to(layer.dtype), context)
+        cache.stats.compress_seconds += time.perf_counter() - started
 
 
 @dataclass

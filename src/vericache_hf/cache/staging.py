@@ -1,9 +1,9 @@
-"""Device staging buffers for verification: the full tier is brought in one layer at a time.
+"""Device staging buffers for verification: the full tier is brought in one chunk of one layer at a time.
 
-A fixed number of buffer slots (default 2) exists; a layer's transfer must hold a slot, and gives it back once the
-verify pass has read that layer. Device memory for the full tier is therefore bounded by a few layers, however many
-layers the model has. (Each buffer holds one whole layer, since attention reads a layer's K/V at once: its size
-follows the context length, its count does not.)
+A fixed number of buffer slots (default 2) exists; a chunk's transfer must hold a slot, and gives it back once the
+verify pass has attended to that chunk. Each slot holds at most one chunk (`chunk_tokens` tokens), so device memory
+for the full tier is at most `num_buffers` chunks, whatever the context length and the number of layers. (A context
+shorter than a chunk gets buffers of its own size, in whole granules.)
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from collections import deque
 
 import torch
 
-#: Buffers are sized in whole granules of tokens, plus some slack when they grow, so that a context growing by a
-#: few tokens each round reallocates rarely.
+#: Buffers for contexts shorter than a chunk are sized in whole granules, so they are replaced rarely as it grows.
 GRANULE_TOKENS = 256
 
 
-def buffer_tokens(tokens: int) -> int:
-    """Token capacity of a buffer that must hold `tokens`: rounded up to whole granules."""
-    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
+def buffer_tokens(stored: int, chunk_tokens: int) -> int:
+    """Token capacity of a staging buffer for a layer of `stored` tokens kept in `chunk_tokens`-token chunks."""
+    return min(chunk_tokens, -(-max(stored, 1) // GRANULE_TOKENS) * GRANULE_TOKENS)
 
 
 class StagingBuffers:
@@ -56,27 +55,18 @@ class StagingBuffers:
         dtype: torch.dtype,
         shape: tuple[int, int, int, int],
         tokens: int,
-        keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's (B, H, capacity, D) key/value buffers on `device`, holding at least `tokens` tokens.
-
-        `shape` is (batch, heads, key_dim, value_dim). A buffer that is too small or of another shape is replaced;
-        its first `keep` tokens are carried over (a device-to-device copy).
-        """
+        """The slot's (B, H, >=tokens, D) key/value buffers on `device`; `shape` is (batch, heads, key_dim, value_dim).
+        A slot's buffers are reused while they are large enough for the same shape, and replaced otherwise."""
         batch, heads, key_dim, value_dim = shape
         current = self.pairs.get((slot, device))
         if current is not None:
             keys, values = current
-            fits = keys.shape[-2] >= tokens and keys.dtype == dtype
-            if fits and (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) == tuple(shape):
+            same = (keys.shape[:2], keys.shape[3], values.shape[3]) == ((batch, heads), key_dim, value_dim)
+            if same and keys.dtype == dtype and keys.shape[2] >= tokens:
                 return current
-        grown = tokens + tokens // 8 if current is not None else tokens
-        capacity = buffer_tokens(grown)
-        keys = torch.empty((batch, heads, capacity, key_dim), dtype=dtype, device=device)
-        values = torch.empty((batch, heads, capacity, value_dim), dtype=dtype, device=device)
-        if current is not None and keep:
-            keys[:, :, :keep] = current[0][:, :, :keep]
-            values[:, :, :keep] = current[1][:, :, :keep]
+        keys = torch.empty((batch, heads, tokens, key_dim), dtype=dtype, device=device)
+        values = torch.empty((batch, heads, tokens, value_dim), dtype=dtype, device=device)
         self.pairs[(slot, device)] = (keys, values)
         self.peak_bytes = max(self.peak_bytes, self.device_bytes())
         return keys, values

@@ -1,7 +1,7 @@
-"""The transfer engine: a queue of layer transfers (host full tier -> device staging buffer) served by one worker.
+"""The transfer engine: a queue of chunk transfers (host full tier -> device staging buffer) served by one worker.
 
-It belongs to no request: any cache may `submit` layer transfers, in the order it will read them. A transfer waits
-in the backlog until a staging slot is free (backpressure: at most `num_buffers` layers are on the device), then
+It belongs to no request: any cache may `submit` a layer's chunks, in the order it will read them. A transfer waits
+in the backlog until a staging slot is free (backpressure: at most `num_buffers` chunks are on the device), then
 the worker thread copies it. With CUDA the copy runs on a dedicated stream and the consumer's stream waits on an
 event, so the host never blocks on the copy; without CUDA the same queue and thread make plain host-to-"device"
 copies into separate buffers.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .full_tier import HostKVStore, HostSnapshot
-from .staging import StagingBuffers
+from .staging import StagingBuffers, buffer_tokens
 
 _ALL = object()
 
@@ -33,13 +33,13 @@ class TransferError(RuntimeError):
 
 
 @dataclass(eq=False)
-class LayerTransfer:
-    """One layer's full tier on its way to the device, with room for `room` more tokens after it."""
+class ChunkTransfer:
+    """One chunk of one layer's full tier on its way to the device."""
 
     store: HostKVStore
     snapshot: HostSnapshot
+    chunk: int
     device: torch.device
-    room: int
     group: Any = None
     label: Any = None
     state: str = "backlog"
@@ -58,8 +58,18 @@ class LayerTransfer:
     events: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def start(self) -> int:
+        """Index of the chunk's first token in the layer."""
+        return self.snapshot.chunk_span(self.chunk)[0]
+
+    @property
     def tokens(self) -> int:
-        return self.snapshot.length
+        """Tokens the chunk holds."""
+        return self.snapshot.chunk_span(self.chunk)[1]
+
+    @property
+    def name(self) -> str:
+        return f"layer {self.label}, chunk {self.chunk}"
 
 
 def _cuda(device: torch.device) -> bool:
@@ -71,7 +81,7 @@ def _timing_event():
 
 
 class TransferEngine:
-    """Layer transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
+    """Chunk transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
 
     def __init__(self, num_buffers: int = 2, timeout: float = 60.0) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -79,8 +89,8 @@ class TransferEngine:
         self.buffers = StagingBuffers(num_buffers)
         self.timeout = float(timeout)
         self._lock = threading.RLock()
-        self._backlog: deque[LayerTransfer] = deque()
-        self._queue: deque[LayerTransfer] = deque()
+        self._backlog: deque[ChunkTransfer] = deque()
+        self._queue: deque[ChunkTransfer] = deque()
         self._thread: threading.Thread | None = None
         self._last_thread: threading.Thread | None = None
         self._streams: dict[torch.device, Any] = {}
@@ -88,33 +98,37 @@ class TransferEngine:
 
     # -- the consumer's side ------------------------------------------------------------------------------------
     def submit(
-        self,
-        store: HostKVStore,
-        device: torch.device | str,
-        room: int = 1,
-        group: Any = None,
-        label: Any = None,
-    ) -> LayerTransfer:
-        """Queue a copy of `store`'s tokens as they are now; transfers are served in submission order."""
-        transfer = LayerTransfer(store, store.snapshot(), torch.device(device), max(0, room), group, label)
-        transfer.inference_mode = torch.is_inference_mode_enabled()
-        if _cuda(transfer.device):  # the copy must follow the non-blocking appends queued on this stream
-            transfer.events["submitted"] = torch.cuda.Event()
-            transfer.events["submitted"].record(torch.cuda.current_stream(transfer.device))
+        self, store: HostKVStore, device: torch.device | str, group: Any = None, label: Any = None
+    ) -> list[ChunkTransfer]:
+        """Queue copies of `store`'s chunks as they are now, one transfer per chunk; transfers are served in
+        submission order. `label` names the layer in errors."""
+        snapshot, device = store.snapshot(), torch.device(device)
+        transfers = [
+            ChunkTransfer(store, snapshot, chunk, device, group, label)
+            for chunk in range(snapshot.num_chunks)
+        ]
+        submitted = None
+        if _cuda(device):  # the copies must follow the non-blocking appends queued on this stream
+            submitted = torch.cuda.Event()
+            submitted.record(torch.cuda.current_stream(device))
+        for transfer in transfers:
+            transfer.inference_mode = torch.is_inference_mode_enabled()
+            if submitted is not None:
+                transfer.events["submitted"] = submitted
         with self._lock:
-            store.transfers_in_flight += 1
-            self._backlog.append(transfer)
+            store.transfers_in_flight += len(transfers)
+            self._backlog.extend(transfers)
             self._dispatch()
-        return transfer
+        return transfers
 
-    def wait(self, transfer: LayerTransfer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block until the transfer's buffers are ready for the current stream; returns full-capacity buffers
-        whose first `transfer.tokens` slots hold the stored tokens. Raises `TransferError` within the timeout."""
+    def wait(self, transfer: ChunkTransfer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until the transfer's buffers are ready for the current stream; returns (B, H, tokens, D) views of
+        the chunk's stored tokens. Raises `TransferError` within the timeout."""
         started = time.perf_counter()
         if not transfer.done.wait(self.timeout):
             self.cancel(transfer.group)
             raise TransferError(
-                f"the transfer of layer {transfer.label} did not finish within {self.timeout:.0f} s "
+                f"the transfer of {transfer.name} did not finish within {self.timeout:.0f} s "
                 f"(state {transfer.state!r}); raise the transfer timeout if the host is this slow."
             )
         transfer.waited += time.perf_counter() - started
@@ -123,7 +137,7 @@ class TransferEngine:
             if isinstance(transfer.error, TransferError):
                 raise transfer.error
             raise TransferError(
-                f"the transfer of layer {transfer.label} failed in the worker: {transfer.error!r}"
+                f"the transfer of {transfer.name} failed in the worker: {transfer.error!r}"
             ) from (transfer.error)
         if _cuda(transfer.device):
             stream = torch.cuda.current_stream(transfer.device)
@@ -132,29 +146,14 @@ class TransferEngine:
             stream.wait_event(transfer.events["ready"])
             after.record(stream)
             transfer.events.update(before=before, after=after)
-        return transfer.keys, transfer.values
+        take = transfer.tokens
+        return transfer.keys[:, :, :take], transfer.values[:, :, :take]
 
-    def grow(self, transfer: LayerTransfer, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make a ready transfer's buffers hold `tokens` tokens, keeping the stored ones (rare: the verify block
-        was longer than the room asked for)."""
-        with self._lock:
-            transfer.keys, transfer.values = self.buffers.buffers(
-                transfer.slot,
-                transfer.device,
-                transfer.snapshot.dtype,
-                transfer.snapshot.shape,
-                tokens,
-                keep=transfer.tokens,
-            )
-        return transfer.keys, transfer.values
-
-    def release(self, transfer: LayerTransfer) -> None:
+    def release(self, transfer: ChunkTransfer) -> None:
         """The consumer is done reading the transfer's buffers (or no longer wants them): free its slot."""
         with self._lock:
             if transfer.state in ("backlog", "queued"):
-                self._cancel_one(
-                    transfer, TransferError(f"the transfer of layer {transfer.label} was cancelled.")
-                )
+                self._cancel_one(transfer, TransferError(f"the transfer of {transfer.name} was cancelled."))
                 self._dispatch()
                 return
         if transfer.state == "copying":
@@ -173,10 +172,10 @@ class TransferEngine:
             transfer.store.transfers_in_flight -= 1
             self._dispatch()
 
-    def settle(self, transfer: LayerTransfer) -> None:
+    def settle(self, transfer: ChunkTransfer) -> None:
         """Fill in `seconds` and `waited` from CUDA events (blocks until they have run); nothing to do on CPU."""
         if not transfer.timed.wait(self.timeout):
-            raise TransferError(f"the timing of layer {transfer.label}'s transfer never arrived.")
+            raise TransferError(f"the timing of {transfer.name}'s transfer never arrived.")
         if "after" in transfer.events:
             transfer.events["after"].synchronize()
             stall = transfer.events.pop("before").elapsed_time(transfer.events.pop("after")) / 1000
@@ -187,9 +186,7 @@ class TransferEngine:
         with self._lock:
             for pending in list(self._backlog) + list(self._queue):
                 if group is _ALL or pending.group is group:
-                    self._cancel_one(
-                        pending, TransferError(f"the transfer of layer {pending.label} was cancelled.")
-                    )
+                    self._cancel_one(pending, TransferError(f"the transfer of {pending.name} was cancelled."))
             self._dispatch()
 
     def close(self) -> None:
@@ -203,7 +200,7 @@ class TransferEngine:
         return thread is not None and thread.is_alive()
 
     # -- the engine's side --------------------------------------------------------------------------------------
-    def _cancel_one(self, transfer: LayerTransfer, error: BaseException) -> None:
+    def _cancel_one(self, transfer: ChunkTransfer, error: BaseException) -> None:
         for line in (self._backlog, self._queue):
             if transfer in line:
                 line.remove(transfer)
@@ -226,8 +223,9 @@ class TransferEngine:
             transfer = self._backlog.popleft()
             transfer.slot, transfer.state = slot, "queued"
             snapshot = transfer.snapshot
+            tokens = buffer_tokens(snapshot.length, snapshot.chunk_tokens)
             transfer.keys, transfer.values = self.buffers.buffers(
-                slot, transfer.device, snapshot.dtype, snapshot.shape, snapshot.length + transfer.room
+                slot, transfer.device, snapshot.dtype, snapshot.shape, tokens
             )
             self._queue.append(transfer)
         if self._queue and self._thread is None:
@@ -257,10 +255,10 @@ class TransferEngine:
                 transfer.seconds = transfer.events["start"].elapsed_time(transfer.events["end"]) / 1000
             transfer.timed.set()
 
-    def _copy(self, transfer: LayerTransfer, freed: Any) -> None:
+    def _copy(self, transfer: ChunkTransfer, freed: Any) -> None:
         started = time.perf_counter()
         if not _cuda(transfer.device):
-            transfer.bytes = transfer.snapshot.copy_into(transfer.keys, transfer.values)
+            transfer.bytes = transfer.snapshot.copy_chunk_into(transfer.chunk, transfer.keys, transfer.values)
             transfer.seconds = time.perf_counter() - started
             return
         stream = self._streams.get(transfer.device)
@@ -270,16 +268,16 @@ class TransferEngine:
         with torch.cuda.stream(stream):
             stream.wait_event(transfer.events["submitted"])
             if freed is not None:
-                stream.wait_event(freed)  # the slot's previous layer has been read
+                stream.wait_event(freed)  # the slot's previous chunk has been read
             start.record(stream)
-            transfer.bytes = transfer.snapshot.copy_into(transfer.keys, transfer.values)
+            transfer.bytes = transfer.snapshot.copy_chunk_into(transfer.chunk, transfer.keys, transfer.values)
             end.record(stream)
             ready.record(stream)
         transfer.keys.record_stream(stream)
         transfer.values.record_stream(stream)
         transfer.events.update(start=start, end=end, ready=ready)
 
-    def _fail(self, transfer: LayerTransfer, error: BaseException) -> None:
+    def _fail(self, transfer: ChunkTransfer, error: BaseException) -> None:
         with self._lock:
             if transfer.slot is not None:  # its buffers hold garbage: free the slot now
                 self.buffers.release(transfer.slot)
@@ -292,9 +290,7 @@ class TransferEngine:
                 if pending.group is transfer.group:
                     self._cancel_one(
                         pending,
-                        TransferError(
-                            f"cancelled: the transfer of layer {transfer.label} failed ({error!r})."
-                        ),
+                        TransferError(f"cancelled: the transfer of {transfer.name} failed ({error!r})."),
                     )
             self._dispatch()
 

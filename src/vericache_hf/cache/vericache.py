@@ -3,22 +3,26 @@ on the host). The loop sets the `mode` before each forward pass, and attention w
 
 - `prefill`: the prompt's exact K/V go to the full tier, and the compressor builds the draft tier from them;
 - `draft`:   drafted tokens go after the draft tier's committed slots;
-- `verify`:  the full tier is staged on the device layer by layer, the new tokens after it; their exact K/V are kept
-             as `pending` until `commit` decides how many were accepted.
+- `verify`:  the new tokens' exact K/V are kept as `pending` until `commit` decides how many were accepted, and
+             attention (`cache/attention.py`) reads the full tier chunk by chunk from `chunks_for_verify`.
 
-Streaming the full tier: `prefetch_for_verify` (called when drafting starts) queues one transfer per layer on the
-`TransferEngine`; the engine copies them in layer order into a bounded set of staging buffers, so the first layers
-are on the device before the verify pass begins and layer i+1 copies while layer i computes. When layer i's update
-runs, layer i-1 has been read and its buffer is released for the next transfer. This is valid because the full tier
-only changes at `commit`, which comes after the verify pass: a transfer queued after one commit and read before the
-next sees exactly the committed tokens (each transfer also carries the length it copied, which is checked).
+Streaming the full tier: `prefetch_for_verify` (called when drafting starts) queues every layer's chunks, in the
+order the verify pass reads them, on the `TransferEngine`; the engine copies them into a bounded set of chunk-sized
+staging buffers, so the first chunks are on the device before the verify pass begins and chunk c+1 copies while
+chunk c computes. Once a chunk has been attended to, its buffer is released for the next transfer. This is valid
+because the full tier only changes at `commit`, which comes after the verify pass: a transfer queued after one
+commit and read before the next sees exactly the committed tokens (each transfer carries the length it copied,
+which is checked).
 
 Every length this cache reports is *physical* (slots held), which is what transformers' mask code works in. Rows may
 hold masked slots (left padding, or tokens another row accepted that this row did not), so the loop always passes
-explicit `position_ids` and a 2-D `attention_mask` built by `attention_mask()`.
+explicit `position_ids`, and a 2-D `attention_mask` built by `attention_mask()` when drafting.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -28,7 +32,7 @@ from ..stats import VeriCacheStats
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
 from .refresh import RefreshPolicy, check_refreshable
-from .transfer import LayerTransfer, TransferEngine
+from .transfer import ChunkTransfer, TransferEngine
 
 MODES = ("prefill", "draft", "verify")
 
@@ -61,10 +65,9 @@ class VeriCacheLayer(CacheLayerMixin):
         mode = self.owner.mode
         if mode == "draft":
             return self.draft.extend_draft(key_states, value_states)
-        if mode == "verify":
-            keys, values = self.owner.stage_for_verify(self.layer_idx, key_states, value_states)
+        if mode == "verify":  # attention reads the stored tokens from `chunks_for_verify`
             self.pending = (key_states, value_states)
-            return keys, values
+            return key_states, value_states
         return self._prefill(key_states, value_states)
 
     def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +76,9 @@ class VeriCacheLayer(CacheLayerMixin):
         self.owner.stats.bytes_to_host += self.full.append(keys, values)
         context = self.context or CompressionContext(layer_idx=self.layer_idx, valid=self.owner.prompt_valid)
         self.context = None  # release the captured hidden states
+        started = time.perf_counter()
         self.draft = self.owner.compressor.compress(keys, values, context)
+        self.owner.stats.compress_seconds += time.perf_counter() - started
         return keys, values
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
@@ -102,8 +107,9 @@ class VeriCacheLayer(CacheLayerMixin):
 class VeriCache(Cache):
     """Two-tier cache for draft-then-verify decoding. Build one per `generate` call.
 
-    `chunk_tokens` sizes the host chunks of the full tier; `staging_buffers` bounds the full tier's layer buffers
-    on the device; `transfer_timeout` bounds every wait on a transfer. Pass a shared `transfers` engine to serve
+    `chunk_tokens` sizes the host chunks of the full tier, which are also the unit of transfer; `staging_buffers`
+    is how many chunks of the full tier may be on the device at once; `transfer_timeout` bounds every wait on a
+    transfer. Pass a shared `transfers` engine to serve
     several caches through one queue (its own buffer count and timeout then apply).
     """
 
@@ -112,7 +118,7 @@ class VeriCache(Cache):
         num_layers: int,
         compressor: Compressor,
         stats: VeriCacheStats | None = None,
-        chunk_tokens: int = 1024,
+        chunk_tokens: int = 2048,
         staging_buffers: int = 2,
         transfer_timeout: float = 60.0,
         transfers: TransferEngine | None = None,
@@ -127,7 +133,7 @@ class VeriCache(Cache):
         if transfers is None:
             transfers = TransferEngine(staging_buffers, transfer_timeout)
         self.transfers = transfers
-        self.verify_round: list[LayerTransfer] | None = None
+        self.verify_round: list[list[ChunkTransfer]] | None = None
         self.round_read = False
         self.mode = "prefill"
         self.prompt_valid: torch.Tensor | None = None
@@ -171,54 +177,69 @@ class VeriCache(Cache):
         return sum(layer.full.nbytes() for layer in self.layers)
 
     # -- streaming the full tier for verification ---------------------------------------------------------------
-    def prefetch_for_verify(self, new_tokens: int = 1) -> None:
-        """Queue every layer's full tier for the next verify pass, leaving room for `new_tokens` verified tokens.
-        Call it when drafting starts: the first layers then copy while the draft runs."""
+    def prefetch_for_verify(self) -> None:
+        """Queue every layer's full-tier chunks for the next verify pass. Call it when drafting starts: the first
+        chunks then copy while the draft runs."""
         if self.mode == "prefill" or not self.layers[0].full.length:
             return
         if self.verify_round is not None and not self.round_read and not self._stale():
             return
         self.end_verify_round()
         self.verify_round = [
-            self.transfers.submit(layer.full, layer.device, new_tokens, group=self, label=layer.layer_idx)
+            self.transfers.submit(layer.full, layer.device, group=self, label=layer.layer_idx)
             for layer in self.layers
         ]
         self.round_read = False
         self.stats.peak_draft_tier_bytes = max(self.stats.peak_draft_tier_bytes, self.draft_tier_bytes())
 
-    def stage_for_verify(
-        self, layer_idx: int, new_keys: torch.Tensor, new_values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s stored tokens then the new ones, in its staging buffer on the device."""
+    def chunks_for_verify(self, layer_idx: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Layer `layer_idx`'s stored tokens as (keys, values, valid) chunks on its device, each (B, H, n, D) with a
+        (B, n) validity mask; a chunk's buffer is released once the consumer asks for the next one."""
         if layer_idx == 0:
             if self.verify_round is None or self.round_read or self._stale():
-                self.end_verify_round()
-                self.prefetch_for_verify(new_keys.shape[-2])
+                self.prefetch_for_verify()
             self.round_read = True
         elif self.verify_round is None:
             raise RuntimeError("a verify pass must run its layers in order from layer 0.")
-        else:
-            self.transfers.release(self.verify_round[layer_idx - 1])  # its attention has run
-        transfer = self.verify_round[layer_idx]
-        keys, values = self.transfers.wait(transfer)
-        stored, total = transfer.tokens, transfer.tokens + new_keys.shape[-2]
-        if stored != self.layers[layer_idx].full.length:
-            raise RuntimeError(
-                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({stored} -> "
-                f"{self.layers[layer_idx].full.length} tokens); commit only after the verify pass."
-            )
-        if keys.shape[-2] < total:
-            keys, values = self.transfers.grow(transfer, total)
-        keys[:, :, stored:total] = new_keys
-        values[:, :, stored:total] = new_values
+        stored = self.layers[layer_idx].full.length
+        for transfer in self.verify_round[layer_idx]:
+            if transfer.snapshot.length != stored:
+                raise RuntimeError(
+                    f"layer {layer_idx}'s full tier changed while its transfer was in flight "
+                    f"({transfer.snapshot.length} -> {stored} tokens); commit only after the verify pass."
+                )
+            keys, values = self.transfers.wait(transfer)
+            valid = self.full_valid[:, transfer.start : transfer.start + transfer.tokens]
+            yield keys, values, valid.to(keys.device, non_blocking=True)
+            self.transfers.release(transfer)  # its attention has run
         if layer_idx == len(self.layers) - 1:
             self._record_round()
-        return keys[:, :, :total], values[:, :, :total]
+
+    def layer_full_tier(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s whole full tier on its device, streamed through the engine (for a refresh, which
+        compresses a layer at once: device memory for it is one layer, briefly)."""
+        layer = self.layers[layer_idx]
+        snapshot = layer.full.snapshot()
+        batch, heads, key_dim, value_dim = snapshot.shape
+        keys = torch.empty(
+            (batch, heads, snapshot.length, key_dim), dtype=snapshot.dtype, device=layer.device
+        )
+        values = torch.empty(
+            (batch, heads, snapshot.length, value_dim), dtype=snapshot.dtype, device=layer.device
+        )
+        for transfer in self.transfers.submit(layer.full, layer.device, group=self, label=layer_idx):
+            chunk_keys, chunk_values = self.transfers.wait(transfer)
+            keys[:, :, transfer.start : transfer.start + transfer.tokens] = chunk_keys
+            values[:, :, transfer.start : transfer.start + transfer.tokens] = chunk_values
+            self.transfers.release(transfer)
+            self.stats.bytes_to_device += transfer.bytes
+        return keys, values
 
     def end_verify_round(self) -> None:
         """Release (or cancel) the transfers of the current round."""
-        for transfer in self.verify_round or ():
-            self.transfers.release(transfer)
+        for layer_round in self.verify_round or ():
+            for transfer in layer_round:
+                self.transfers.release(transfer)
         self.verify_round = None
 
     def close(self) -> None:
@@ -228,13 +249,13 @@ class VeriCache(Cache):
 
     def _stale(self) -> bool:
         pairs = zip(self.verify_round, self.layers, strict=True)
-        return any(transfer.tokens != layer.full.length for transfer, layer in pairs)
+        return any(chunks[0].snapshot.length != layer.full.length for chunks, layer in pairs)
 
     def _record_round(self) -> None:
         stats = self.stats
-        for transfer in self.verify_round:
+        for transfer in (transfer for chunks in self.verify_round for transfer in chunks):
             self.transfers.settle(transfer)
-            stats.layer_transfers += 1
+            stats.chunk_transfers += 1
             stats.bytes_to_device += transfer.bytes
             stats.transfer_seconds += transfer.seconds
             stats.transfer_wait_seconds += transfer.waited
