@@ -103,11 +103,18 @@ def test_build_methods_puts_the_reference_first():
     assert methods[0].family == "full"
     assert len(methods) == 1 + 2 * 2 * 2 + 2
     assert len({m.name for m in methods}) == len(methods)
+    assert [m.family for m in build_methods(["snapkv"], [0.75], peers=["prompt_lookup"])][
+        -1
+    ] == "prompt_lookup"
+    assert len(build_methods(["snapkv"], [0.75], peers=[])) == 3
+    with pytest.raises(ValueError, match="Unknown peer"):
+        build_methods(["snapkv"], [0.75], peers=["medusa"])
 
 
 def test_quick_flag_sets_the_quick_sizes():
     args = apply_quick(build_parser().parse_args(["bench", "--quick"]))
     assert (args.contexts, args.batch_sizes, args.repeats) == (QUICK["contexts"], QUICK["batch_sizes"], 2)
+    assert args.peers == ["prompt_lookup"]  # early-exit assisting alone takes minutes on a CPU
     assert build_parser().parse_args(["bench", "--contexts", "2048,4096"]).contexts == [2048, 4096]
 
 
@@ -117,11 +124,81 @@ def test_code_quality_checks():
     assert extract_code(answer) == "def f(x):\n    return x\n"
     assert parses(extract_code(answer)) and not parses("def f(:\n")
     problem = humaneval_problems()[0]
-    assert passes_humaneval(problem, problem["canonical_solution"])
+    assert passes_humaneval(problem, extract_code(problem["canonical_solution"], problem))
+    wrong = "def has_close_elements(numbers, threshold):\n    return True\n"
+    assert passes_humaneval(problem, extract_code(wrong, problem)) is False
     assert (
-        passes_humaneval(problem, "def has_close_elements(numbers, threshold):\n    return True\n") is False
+        passes_humaneval(problem, extract_code("    while True:\n        pass\n", problem), timeout=2.0)
+        is False
     )
-    assert passes_humaneval(problem, "    while True:\n        pass\n", timeout=2.0) is False
+
+
+def test_extract_code_builds_the_program_from_a_whole_function_or_a_body():
+    problem = humaneval_problems()[0]  # has_close_elements; its prompt imports List
+    function = (
+        "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+        "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1 :])\n"
+    )
+    chat = f"Sure! Here is the function:\n\n```python\n{function}```\n\nIt compares every pair."
+    program = extract_code(chat, problem)
+    assert program == problem["prompt"] + "    pass\n\n" + function  # the prompt's imports, then the answer
+    assert parses(program) and passes_humaneval(problem, program)
+    body = problem["canonical_solution"]
+    assert extract_code(body, problem) == problem["prompt"] + body
+    assert not parses(body) and parses(extract_code(body, problem))  # a body only parses behind its prompt
+    # Prose before an unfenced function is dropped; a fence may name another language (or none).
+    assert extract_code("Here you go:\ndef f(x):\n    return x\n") == "def f(x):\n    return x\n"
+    assert extract_code("```Python3\ndef f(x):\n    return x\n```\nprose") == "def f(x):\n    return x\n"
+    assert (
+        extract_code("import math\n\ndef f(x):\n    return math.pi\n")
+        == "import math\n\ndef f(x):\n    return math.pi\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "\ndef helper():\n    pass\n",
+        "\nclass Test:\n    pass\n",
+        "\nif __name__ == '__main__':\n    main()\n",
+        "\nprint(f([1, 2]))\n",
+        "\n# Example usage\nf([1, 2]\n",
+    ],
+)
+def test_extract_code_stops_at_humaneval_stop_sequences(tail):
+    function = "def f(numbers):\n    # an indented comment is not a stop\n    return sum(numbers)\n"
+    # The tail may itself be unfinished: it is cut off whether or not the token limit was hit.
+    for truncated in (False, True):
+        assert extract_code(function + tail, truncated=truncated) == function + "\n"
+        assert extract_code(f"```python\n{function}{tail}", truncated=truncated) == function + "\n"
+    body = "    return sum(numbers)\n"
+    problem = {"prompt": 'def f(numbers):\n    """Sum."""\n', "entry_point": "f"}
+    assert extract_code(body + tail, problem) == problem["prompt"] + body + "\n"
+
+
+def test_extract_code_drops_what_the_token_limit_cut():
+    done = "def f(numbers, threshold):\n    total = 0\n    for x in numbers:\n        total += x\n"
+    cut = done + "    return any(\n        abs(total - x) < thr"  # cut mid-line, inside an open bracket
+    assert not parses(extract_code(cut))  # ended at EOS: judged as written
+    assert extract_code(cut, truncated=True) == done and parses(done)
+    assert extract_code(f"```python\n{cut}", truncated=True) == done  # a fence the limit left open
+    # A closed fence is a finished answer, even if the limit came later (in the prose after it).
+    closed = f"```python\n{cut}\n```\nThis function"
+    assert not parses(extract_code(closed, truncated=True))
+    # A real syntax error is not hidden by dropping the lines after it.
+    broken = "def f(x):\n    w = 0\n    y = = 1\n    z = 2\n    return (\n        x"
+    assert not parses(extract_code(broken, truncated=True))
+    # Nothing finished before the cut: the function is not reduced to nothing, and does not parse.
+    assert not parses(extract_code("def f(x):\n    return any(\n        x > 0", truncated=True))
+    problem = {"prompt": 'def f(x):\n    """Doc."""\n', "entry_point": "f"}
+    assert not parses(extract_code("    return any(\n        x > 0", problem, truncated=True))
+    assert (
+        extract_code("    y = x\n    return any(\n", problem, truncated=True)
+        == problem["prompt"] + "    y = x\n"
+    )
+    assert not parses(extract_code("\n\n    return any(\n        x > 0", problem, truncated=True))
+    # No answer at all does not parse, though the prompt's stub alone would.
+    assert extract_code("", problem) == "" and not parses("") and parses(problem["prompt"])
 
 
 @pytest.mark.slow

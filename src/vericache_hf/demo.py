@@ -7,7 +7,6 @@ some token; VeriCache, drafting with the same compressor, reproduces it exactly.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ from tqdm.auto import tqdm
 
 from .config import VeriCacheConfig
 from .stats import VeriCacheStats
+from .table import timed
 
 
 @dataclass
@@ -28,10 +28,10 @@ class Run:
         return len(self.tokens) / self.seconds if self.seconds else float("nan")
 
 
-def timed(name: str, fn, prompt_length: int) -> Run:
-    started = time.perf_counter()
-    sequences = fn()
-    return Run(name, sequences[0, prompt_length:], time.perf_counter() - started)
+def timed_run(name: str, fn, prompt_length: int) -> Run:
+    """Time `fn()` (a generate call) and keep the first row's new tokens."""
+    sequences, seconds = timed(fn)
+    return Run(name, sequences[0, prompt_length:], seconds)
 
 
 def add_demo_command(subparsers) -> None:
@@ -66,10 +66,10 @@ def run_demo(args: argparse.Namespace) -> int:
     steps.update()
 
     steps.set_description("full-cache greedy (reference)")
-    full = timed("full cache", lambda: model.generate(ids, max_new_tokens=new, do_sample=False), length)
+    full = timed_run("full cache", lambda: model.generate(ids, max_new_tokens=new, do_sample=False), length)
     steps.update()
     steps.set_description(f"compressed-only greedy ({args.compressor})")
-    lossy = timed(
+    lossy = timed_run(
         f"{args.compressor} only (lossy)",
         lambda: compressed_only_generate(
             model, ids, config.compressor, new, compression_ratio=config.compression_ratio
@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
     steps.update()
     steps.set_description("VeriCache greedy")
     config.stats = stats
-    veri = timed(
+    veri = timed_run(
         "VeriCache",
         lambda: model.generate(
             ids, max_new_tokens=new, do_sample=False, generation_mode="vericache", vericache_config=config

@@ -38,7 +38,8 @@ TABLE_COMPRESSORS: dict[str, Any] = {
 DEFAULT_COMPRESSORS = ("streaming_llm", "snapkv", "knorm", "h2o", "kivi", "hqq", "bnb", "fp8", "snapkv+kivi4")
 
 
-def _timed(fn) -> tuple[Any, float]:
+def timed(fn) -> tuple[Any, float]:
+    """`fn()` and the wall seconds it took (the demo and the table time their runs with this)."""
     started = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - started
@@ -47,8 +48,8 @@ def _timed(fn) -> tuple[Any, float]:
 @torch.no_grad()
 def stock_decode_seconds(model, ids: torch.Tensor, new_tokens: int) -> float:
     """Stock full-cache decode time: a run of `new_tokens` minus a run of one token (the prefill)."""
-    _, prefill_s = _timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=1))
-    _, total_s = _timed(
+    _, prefill_s = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=1))
+    _, total_s = timed(
         lambda: model.generate(ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     )
     return max(total_s - prefill_s, 1e-9)
@@ -66,7 +67,7 @@ def measure(model, ids: torch.Tensor, name: str, ratio: float, new_tokens: int, 
     except ValueError:
         return None
     lossy = compressed_only_generate(model, ids, compressor, new_tokens, compression_ratio=ratio)
-    out, seconds = _timed(
+    out, seconds = timed(
         lambda: model.generate(
             ids,
             do_sample=False,

@@ -100,16 +100,24 @@ class Method:
         return Generation(model.generate(ids, **common)[:, prompt:])
 
 
+PEERS = ("prompt_lookup", "early_exit")
+
+
 def build_methods(
-    compressors: list[str], ratios: list[float], peers: bool = True, draft_length: int = 8
+    compressors: list[str],
+    ratios: list[float],
+    peers: bool | list[str] = True,
+    draft_length: int = 8,
 ) -> list[Method]:
     """Full cache first (the reference), then compressed-only and VeriCache for each compressor and ratio, then
-    the HF peers."""
+    the HF peers (`True`: all of `PEERS`, or a list of their names)."""
+    chosen = list(PEERS) if peers is True else list(peers or [])
+    unknown = [name for name in chosen if name not in PEERS]
+    if unknown:
+        raise ValueError(f"Unknown peer method(s) {unknown}; choose from {PEERS}.")
     methods = [Method("full")]
     for compressor in compressors:
         for ratio in ratios:
             methods.append(Method("lossy", compressor, ratio))
             methods.append(Method("vericache", compressor, ratio, draft_length=draft_length))
-    if peers:
-        methods += [Method("prompt_lookup"), Method("early_exit")]
-    return methods
+    return methods + [Method(name) for name in chosen]

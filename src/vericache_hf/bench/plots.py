@@ -55,12 +55,15 @@ def plot_throughput(rows: list[dict], path: Path, key: str = "decode_ratio") -> 
         label = f"{compressor} only (lossy)" if family == "lossy" else f"VeriCache ({compressor})"
         style = "--o" if family == "lossy" else "-s"
         ax.plot(*zip(*points, strict=True), style, color=COLORS[family], label=label, alpha=0.85)
-    ax.set_xlabel("compression ratio (fraction of the KV cache removed)")
-    ax.set_ylabel("decode tokens/s relative to full cache")
-    ax.set_title("Throughput against compression ratio")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _finish(
+        fig,
+        ax,
+        path,
+        xlabel="compression ratio (fraction of the KV cache removed)",
+        ylabel="decode tokens/s relative to full cache",
+        title="Throughput against compression ratio",
+        legend_size=8,
+    )
 
 
 def plot_quality(rows: list[dict], path: Path, key: str = "decode_ratio") -> Path:
@@ -77,13 +80,16 @@ def plot_quality(rows: list[dict], path: Path, key: str = "decode_ratio") -> Pat
             ax.scatter(x, parsed[name], color=color, marker="^", s=40, alpha=0.6)
     ax.scatter([], [], color="gray", marker="o", label="(circle) identical to full-cache output")
     ax.scatter([], [], color="gray", marker="^", label="(triangle) code parses (ast.parse)")
-    ax.set_xlabel("decode tokens/s relative to full cache")
-    ax.set_ylabel("share of outputs")
     ax.set_ylim(-0.05, 1.1)
-    ax.set_title("Quality against throughput")
-    ax.legend(fontsize=7, loc="center right")
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _finish(
+        fig,
+        ax,
+        path,
+        xlabel="decode tokens/s relative to full cache",
+        ylabel="share of outputs",
+        title="Quality against throughput",
+        loc="center right",
+    )
 
 
 def plot_acceptance(rows: list[dict], path: Path) -> Path:
@@ -98,15 +104,25 @@ def plot_acceptance(rows: list[dict], path: Path) -> Path:
             if lengths:
                 ax.plot(range(1, len(lengths) + 1), lengths, linestyle=":", color="gray", alpha=0.5)
     ax.plot([], [], linestyle=":", color="gray", label="draft length")
-    ax.set_xlabel("round")
-    ax.set_ylabel("accepted draft tokens (mean over rows)")
-    ax.set_title("Accepted tokens per round over a generation (first batch)")
-    ax.legend(fontsize=7)
+    return _finish(
+        fig,
+        ax,
+        path,
+        xlabel="round",
+        ylabel="accepted draft tokens (mean over rows)",
+        title="Accepted tokens per round over a generation (first batch)",
+    )
+
+
+def _finish(
+    fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend_size: int = 7, **legend
+) -> Path:
+    """The labels, title, legend and grid every figure has; then save it to `path` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size, **legend)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -34,8 +34,10 @@ class _Judge:
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.cache = tokenizer, {}
 
-    def code(self, tokens: list[int]) -> str:
-        return extract_code(self.tokenizer.decode(tokens, skip_special_tokens=True))
+    def code(self, tokens: list[int], problem: dict, finished: bool) -> str:
+        """The program to judge: `extract_code`, the same for every method's output."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return extract_code(text, problem, truncated=not finished)
 
     def passes(self, problem: dict, code: str) -> bool:
         key = (problem["task_id"], code)
@@ -112,11 +114,14 @@ def _code_quality(row, group, reference, workload: Workload, judge: _Judge) -> N
     total = 0
     for sample in group:
         problems = workload.batches[sample.batch_index].problems
-        for out, ref, problem in zip(sample.rows, reference[sample.batch_index].rows, problems, strict=True):
+        ref = reference[sample.batch_index]
+        outputs = zip(sample.rows, sample.finished, ref.rows, ref.finished, problems, strict=True)
+        for out, out_finished, ref_out, ref_finished, problem in outputs:
             total += 1
-            code = judge.code(out)
+            code = judge.code(out, problem, out_finished)
+            row.setdefault("first_code", code)  # what the parse and test checks judged
             parsed += parses(code)
-            if judge.passes(problem, judge.code(ref)):
+            if judge.passes(problem, judge.code(ref_out, problem, ref_finished)):
                 full_passed += 1
                 passed += judge.passes(problem, code)
     row["parse_share"] = parsed / total

@@ -30,6 +30,7 @@ class Sample:
     batch_size: int
     seconds: list[float] = field(default_factory=list)
     rows: list[list[int]] = field(default_factory=list)  # new tokens per row, up to EOS (first repeat)
+    finished: list[bool] = field(default_factory=list)  # per row: ended at EOS, not cut by the limit
     computed_tokens: int = 0  # tokens the method produced, pad after EOS excluded
     stats: VeriCacheStats | None = None  # first repeat
     kv_bytes: int = 0  # full-cache method: bytes of its KV cache at the end
@@ -84,6 +85,7 @@ def _run_once(model, method: Method, batch, sample: Sample, max_new_tokens: int,
     if not first:
         return
     sample.rows = [trim(row, eos) for row in generation.new_tokens]
+    sample.finished = [bool(row) and row[-1] in eos for row in sample.rows]
     # Compressed-only decoding runs every row to max_new_tokens; the others stop each row at its EOS.
     lengths = [generation.new_tokens.shape[-1]] * batch.batch_size if method.family == "lossy" else None
     sample.computed_tokens = sum(lengths) if lengths else sum(len(row) for row in sample.rows)

@@ -26,22 +26,24 @@ class OnlineSoftmax:
     """Running softmax-weighted sum of value chunks: (B, H_kv, rows, D) queries against key chunks arriving in turn."""
 
     def __init__(self, queries: torch.Tensor, scaling: float) -> None:
-        self.queries = queries
-        self.scaling = scaling
+        # Half-precision models attend in float32 here, as the fused kernels accumulate internally.
         self.compute_dtype = torch.promote_types(queries.dtype, torch.float32)
+        self.queries = queries.to(self.compute_dtype)
+        self.scaling = scaling
         self.maximum: torch.Tensor | None = None  # (B, H_kv, rows, 1)
         self.total: torch.Tensor | None = None  # sum of exp(score - maximum)
         self.weighted: torch.Tensor | None = None  # sum of exp(score - maximum) * value
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> None:
         """Attend to one chunk; `allowed` broadcasts to (B, H_kv, rows, chunk) and is False where masked."""
-        scores = torch.matmul(self.queries, keys.transpose(-1, -2)).to(self.compute_dtype) * self.scaling
+        keys, values = keys.to(self.compute_dtype), values.to(self.compute_dtype)
+        scores = torch.matmul(self.queries, keys.transpose(-1, -2)) * self.scaling
         scores = scores.masked_fill(~allowed, float("-inf"))
         chunk_max = scores.amax(dim=-1, keepdim=True)
         maximum = chunk_max if self.maximum is None else torch.maximum(self.maximum, chunk_max)
         safe_max = torch.where(torch.isinf(maximum), torch.zeros_like(maximum), maximum)  # rows masked so far
         weights = torch.exp(scores - safe_max)
-        weighted = torch.matmul(weights.to(values.dtype), values).to(self.compute_dtype)
+        weighted = torch.matmul(weights, values)
         total = weights.sum(dim=-1, keepdim=True)
         if self.maximum is not None:
             rescale = torch.exp(self.maximum - safe_max)

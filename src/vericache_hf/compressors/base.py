@@ -56,6 +56,12 @@ class Compressor(ABC):
         """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
 
 
+def check_int(owner: str, name: str, value: Any, low: int) -> None:
+    """Refuse a setting `owner.name` that is not an integer >= `low` (a bool is not an integer here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name} must be an integer >= {low}, got {value!r}.")
+
+
 def check_budget(name: str, budget: int | None) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(

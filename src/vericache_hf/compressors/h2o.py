@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import CompressionContext, ScorerCompressor
+from .base import CompressionContext, ScorerCompressor, check_int
 from .snapkv import window_queries
 
 
@@ -33,10 +33,8 @@ class H2OCompressor(ScorerCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, low in (("recent_size", 0), ("chunk_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"H2OCompressor.{name} must be an integer >= {low}, got {value!r}.")
+        check_int("H2OCompressor", "recent_size", self.recent_size, 0)
+        check_int("H2OCompressor", "chunk_size", self.chunk_size, 1)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         batch, kv_heads, length, _ = keys.shape

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..cache.draft_tier import DraftStore, TokenStore
-from .base import CompressionContext, Compressor, check_ratio
+from .base import CompressionContext, Compressor, check_int, check_ratio
 
 
 class Codec(ABC):
@@ -152,10 +152,8 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"{name}.bits must be one of {self.supported_bits}, got {self.bits!r}.")
         else:
             self.compression_ratio = 1 - self.bits / 16
-        for field_name, low in (("group_size", 1), ("residual_length", 0)):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}.{field_name} must be an integer >= {low}, got {value!r}.")
+        check_int(name, "group_size", self.group_size, 1)
+        check_int(name, "residual_length", self.residual_length, 0)
 
     def codec(self, head_dim: int) -> Codec:
         raise NotImplementedError

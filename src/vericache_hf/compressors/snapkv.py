@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .base import CompressionContext, ScorerCompressor
+from .base import CompressionContext, ScorerCompressor, check_int
 
 
 def window_queries(context: CompressionContext, window: int) -> torch.Tensor:
@@ -47,10 +47,8 @@ class SnapKVCompressor(ScorerCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("window_size", "kernel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SnapKVCompressor.{name} must be a positive integer, got {value!r}.")
+        check_int("SnapKVCompressor", "window_size", self.window_size, 1)
+        check_int("SnapKVCompressor", "kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise ValueError(f"SnapKVCompressor.kernel_size must be odd, got {self.kernel_size}.")
 

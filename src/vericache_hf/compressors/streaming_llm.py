@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.draft_tier import DraftStore, TokenStore
-from .base import CompressionContext, ScorerCompressor
+from .base import CompressionContext, ScorerCompressor, check_int
 
 
 class WindowStore(TokenStore):
@@ -43,10 +43,7 @@ class StreamingLLMCompressor(ScorerCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(
-                f"StreamingLLMCompressor.n_sink must be a non-negative integer, got {self.n_sink!r}."
-            )
+        check_int("StreamingLLMCompressor", "n_sink", self.n_sink, 0)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         valid = context.valid.to(keys.device)
