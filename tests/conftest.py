@@ -79,9 +79,9 @@ def random_prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
 
 
-def vericache_dict(model, ids, compressor, **kwargs):
-    """Greedy VeriCache with a given compressor and a short fixed start, returning the dict output."""
-    config = vericache_hf.VeriCacheConfig(compressor=compressor, draft_length=6)
+def vericache_dict(model, ids, compressor="streaming_llm", config=None, **kwargs):
+    """Greedy VeriCache returning the dict output: with `config`, or with `compressor` and a short fixed start."""
+    config = config or vericache_hf.VeriCacheConfig(compressor=compressor, draft_length=6)
     return model.generate(
         ids,
         do_sample=False,

@@ -145,14 +145,7 @@ def test_refresh_keeps_output_exact(llama):
     policy = RefreshPolicy(every_tokens=8)
     ids = random_prompt(50, seed=15)
     config = VeriCacheConfig(compressor=KnormCompressor(0.5), refresh=policy)
-    out = llama.generate(
-        ids,
-        max_new_tokens=40,
-        do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
-        return_dict_in_generate=True,
-    )
+    out = vericache(llama, ids, config=config, max_new_tokens=40)
     assert torch.equal(out.sequences, stock(llama, ids, max_new_tokens=40))
     assert policy.refreshes >= 2
     cache = out.past_key_values

@@ -189,3 +189,20 @@ def test_greedy_generate_runs(loaded) -> None:
     assert out.shape[0] == 1
     assert batch["input_ids"].shape[1] < out.shape[1] <= batch["input_ids"].shape[1] + 8
     assert tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+@pytest.mark.slow
+@needs_model
+@needs_humaneval
+def test_bench_contexts_are_cut_to_leave_room_for_the_answer(loaded) -> None:
+    from vericache_hf.bench import build_workloads
+
+    model, tokenizer, _ = loaded
+    positions = model.config.max_position_embeddings  # 8192
+    (workload,) = build_workloads(
+        tokenizer, ["code"], [positions], [1], 1, max_positions=positions, max_new_tokens=128
+    )
+    assert workload.name == "code-8k-b1"
+    assert workload.batches[0].input_ids.shape[-1] + 128 <= positions
+    with pytest.raises(ValueError, match="fewer new tokens"):
+        build_workloads(tokenizer, ["code"], [512], [1], 1, max_positions=positions, max_new_tokens=positions)

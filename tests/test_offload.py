@@ -17,7 +17,7 @@ from vericache_hf.cache.staging import buffer_tokens
 from vericache_hf.cache.transfer import TransferError
 from vericache_hf.compressors import build_compressor
 
-from .conftest import random_prompt, tiny_model
+from .conftest import random_prompt, tiny_model, vericache_dict
 
 HEADS, KEY_DIM, VALUE_DIM = 2, 8, 8
 
@@ -116,14 +116,7 @@ def test_generate_at_8k_and_32k_matches_stock_with_the_same_full_tier_device_byt
     for context in (8192, 32768):
         ids = random_prompt(context, seed=context)
         expected = stock(model, ids, max_new_tokens=10)
-        out = model.generate(
-            ids,
-            max_new_tokens=10,
-            do_sample=False,
-            generation_mode="vericache",
-            vericache_config=config,
-            return_dict_in_generate=True,
-        )
+        out = vericache_dict(model, ids, config=config, max_new_tokens=10)
         assert torch.equal(out.sequences, expected)
         stats = out.vericache_stats
         assert stats.chunk_transfers >= context // 2048 * model.config.num_hidden_layers
@@ -238,14 +231,7 @@ def test_generate_under_inference_mode_matches_stock():
 def test_staging_buffers_and_chunk_size_come_from_the_config(deep_llama):
     ids = random_prompt(300, batch=2, seed=5)
     config = VeriCacheConfig(compressor="streaming_llm", chunk_tokens=64, staging_buffers=3)
-    out = deep_llama.generate(
-        ids,
-        max_new_tokens=12,
-        do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
-        return_dict_in_generate=True,
-    )
+    out = vericache_dict(deep_llama, ids, config=config, max_new_tokens=12)
     assert torch.equal(out.sequences, stock(deep_llama, ids, max_new_tokens=12))
     cfg = deep_llama.config
     token_bytes = (

@@ -134,7 +134,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, tokenizer = _load(args.model)
-    workloads = build_workloads(tokenizer, args.kinds, args.contexts, args.batch_sizes, args.num_prompts)
+    workloads = build_workloads(
+        tokenizer,
+        args.kinds,
+        args.contexts,
+        args.batch_sizes,
+        args.num_prompts,
+        max_positions=getattr(model.config, "max_position_embeddings", None),
+        max_new_tokens=args.max_new_tokens,
+    )
     methods = build_methods(
         args.compressors,
         args.ratios,

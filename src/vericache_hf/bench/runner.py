@@ -1,8 +1,8 @@
 """Run every method on every prompt batch, side by side in one process, with interleaved repeats.
 
 Each repeat runs all methods on the same batch, in an order rotated by one each time, so slow drifts of a shared
-machine (other jobs, heat) fall on every method alike; the report takes medians over repeats. The full-cache run
-also times its own prefill (its first forward pass), so decode throughput can be told apart from prefill.
+machine (other jobs, heat) fall on every method alike; the report takes medians over repeats. Every run also
+times its own prefill (its first forward pass), so decode throughput can be told apart from prefill.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Sample:
     computed_tokens: int = 0  # tokens the method produced, pad after EOS excluded
     stats: VeriCacheStats | None = None  # first repeat
     kv_bytes: int = 0  # full-cache method: bytes of its KV cache at the end
-    prefill_seconds: list[float] = field(default_factory=list)  # full-cache method only
+    prefill_seconds: list[float] = field(default_factory=list)  # each run's first forward pass
     skipped: str | None = None  # why the method does not apply (n/a)
 
     @property
@@ -71,17 +71,11 @@ def kv_bytes_per_token(model) -> int:
 
 
 def _run_once(model, method: Method, batch, sample: Sample, max_new_tokens: int, eos: set[int], first: bool):
-    timer = FirstForwardTimer(model) if method.family == "full" else None
-    with torch.no_grad():  # not inference_mode: its tensors cannot be written by the transfer thread
+    with torch.no_grad(), FirstForwardTimer(model) as timer:  # not inference_mode: see the transfer engine
         started = time.perf_counter()
-        if timer is not None:
-            with timer:
-                generation = method.generate(model, batch, max_new_tokens)
-        else:
-            generation = method.generate(model, batch, max_new_tokens)
+        generation = method.generate(model, batch, max_new_tokens)
         sample.seconds.append(time.perf_counter() - started)
-    if timer is not None:
-        sample.prefill_seconds.append(timer.seconds)
+    sample.prefill_seconds.append(timer.seconds)
     if not first:
         return
     sample.rows = [trim(row, eos) for row in generation.new_tokens]

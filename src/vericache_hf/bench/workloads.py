@@ -38,8 +38,11 @@ class Workload:
 
     @property
     def name(self) -> str:
+        """E.g. `code-8k-b4`; a context cut to fit the model's positions (8064 of 8192) keeps its rounded name."""
         size = (
-            f"{self.context_tokens // 1024}k" if self.context_tokens % 1024 == 0 else str(self.context_tokens)
+            f"{round(self.context_tokens / 1024)}k"
+            if self.context_tokens >= 1024
+            else str(self.context_tokens)
         )
         return f"{self.kind}-{size}-b{self.batch_size}"
 
@@ -76,8 +79,13 @@ def build_workloads(
     batch_sizes: list[int],
     num_prompts: int,
     first_problem: int = 0,
+    max_positions: int | None = None,
+    max_new_tokens: int = 0,
 ) -> list[Workload]:
-    """Every (kind, context, batch size) combination; each holds `num_prompts` prompts rounded up to whole batches."""
+    """Every (kind, context, batch size) combination; each holds `num_prompts` prompts rounded up to whole batches.
+
+    With `max_positions` (the model's `max_position_embeddings`), a context that would leave no room for
+    `max_new_tokens` is shortened to fit: SmolLM2's "8k" is 8192 positions, prompt and answer together."""
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"Unknown workload kind(s) {unknown}; choose from {KINDS}.")
@@ -86,9 +94,15 @@ def build_workloads(
             raise ValueError(f"{name} must be a non-empty list of positive integers, got {values!r}.")
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be positive, got {num_prompts}.")
+    if max_positions is not None and max_positions - max_new_tokens < 1:
+        raise ValueError(
+            f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt within the model's {max_positions} "
+            "positions; ask for fewer new tokens."
+        )
     workloads = []
     for kind in kinds:
-        for context in context_tokens:
+        for requested in context_tokens:
+            context = requested if max_positions is None else min(requested, max_positions - max_new_tokens)
             for batch in batch_sizes:
                 count = -(-num_prompts // batch) * batch
                 texts, problems = _texts(tokenizer, kind, context, count, first_problem)
