@@ -57,19 +57,36 @@ def _texts(tokenizer: Any, kind: str, context_tokens: int, count: int, first_pro
     if kind == "code":
         problems = humaneval_problems()[first_problem : first_problem + count]
         return [long_code_prompt(tokenizer, p, context_tokens) for p in problems], problems
-    # One document per length: shorten each further prompt a little, so rows differ and padding is exercised.
+    # One document per length: shorten each further prompt a little, so rows differ.
     texts = [long_document_qa_prompt(tokenizer, context_tokens - 48 * i) for i in range(count)]
     return texts, [None] * count
 
 
-def tokenize_batch(tokenizer: Any, texts: list[str], problems: list[dict | None]) -> PromptBatch:
+#: Where rows lose tokens to match the shortest: inside the filler (source code or documentation), which starts
+#: right after the chat template's header in both kinds of prompt.
+TRIM_AT = 64
+
+
+def tokenize_batch(
+    tokenizer: Any, texts: list[str], problems: list[dict | None], same_length: bool = True
+) -> PromptBatch:
+    """Left-padded token ids of `texts`. With `same_length`, longer rows first drop a few filler tokens (at
+    `TRIM_AT`) to match the shortest, so the batch needs no padding: stock prefill of a padded batch takes sdpa's
+    masked path, which on a CPU materializes (B, H, L, L) scores and takes many minutes at 8k tokens."""
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
-        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        if same_length:
+            rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            shortest = min(len(row) for row in rows)
+            if shortest > 2 * TRIM_AT:
+                rows = [row[:TRIM_AT] + row[TRIM_AT + len(row) - shortest :] for row in rows]
+            encoded = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
+        else:
+            encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     finally:
         tokenizer.padding_side = side
-    return PromptBatch(encoded.input_ids, encoded.attention_mask, list(problems))
+    return PromptBatch(encoded["input_ids"], encoded["attention_mask"], list(problems))
 
 
 def build_workloads(
