@@ -56,6 +56,11 @@ def test_lossless_methods_match_full_cache_and_peers_are_batch_one(bench_rows):
             < by[(workload, "vericache")]["draft_tier_bytes"]
             < by[(workload, "vericache")]["full_tier_bytes"]
         )
+        stats = next(x.stats for x in samples if x.workload == workload and x.method.family == "vericache")
+        assert by[(workload, "vericache")]["device_kv_bytes"] == (
+            stats.peak_draft_tier_bytes + stats.peak_staging_bytes
+        )
+        assert by[(workload, "full")]["device_kv_bytes"] == by[(workload, "full")]["full_tier_bytes"] > 0
     assert by[("qa-70-b1", "prompt_lookup")]["identical_share"] == 1.0
     assert by[("qa-70-b1", "early_exit")]["identical_share"] == 1.0
     assert "batch-1 only" in by[("qa-70-b2", "early_exit")]["na"]

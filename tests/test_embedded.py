@@ -206,3 +206,8 @@ def test_bench_contexts_are_cut_to_leave_room_for_the_answer(loaded) -> None:
     assert workload.batches[0].input_ids.shape[-1] + 128 <= positions
     with pytest.raises(ValueError, match="fewer new tokens"):
         build_workloads(tokenizer, ["code"], [512], [1], 1, max_positions=positions, max_new_tokens=positions)
+    # Rows of a batch are made the same length, so stock prefill needs no padding mask.
+    for workload in build_workloads(tokenizer, ["code", "qa"], [1024], [3], 3):
+        batch = workload.batches[0]
+        assert batch.attention_mask.all() and 900 < batch.input_ids.shape[-1] <= 1024
+        assert tokenizer.decode(batch.input_ids[2, :20]).startswith("<|im_start|>system")

@@ -108,7 +108,7 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
         _code_quality(row, group, reference, workload, judge)
     _vericache_numbers(row, group)
     if method.family == "full":
-        row["full_tier_bytes"] = sum(s.kv_bytes for s in group)
+        row["full_tier_bytes"] = row["device_kv_bytes"] = sum(s.kv_bytes for s in group)
     return row
 
 
@@ -145,6 +145,8 @@ def _vericache_numbers(row: dict[str, Any], group: list[Sample]) -> None:
     row["rounds"] = sum(st.rounds for st in stats)
     row["draft_tier_bytes"] = max(st.draft_tier_bytes for st in stats)
     row["full_tier_bytes"] = max(st.full_tier_bytes for st in stats)
+    # On the device: the draft tier plus the full tier's staging buffers (the full tier itself is on the host).
+    row["device_kv_bytes"] = max(st.peak_draft_tier_bytes + st.peak_staging_bytes for st in stats)
     for name in (
         "prefill_seconds",
         "compress_seconds",
@@ -175,7 +177,7 @@ def _fill_lossy_bytes(rows: list[dict[str, Any]]) -> None:
             None,
         )
         if twin is not None and "draft_tier_bytes" in twin:
-            row["draft_tier_bytes"] = twin["draft_tier_bytes"]
+            row["draft_tier_bytes"] = row["device_kv_bytes"] = twin["draft_tier_bytes"]
             row["full_tier_bytes"] = 0
 
 
@@ -188,9 +190,9 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     header = (
         "| workload | method | tok/s | x full | decode tok/s | x full (decode) | identical | parses | passes* "
-        "| accepted/round | draft tier MiB | full tier MiB |"
+        "| accepted/round | draft tier MiB | full tier MiB | device KV MiB |"
     )
-    lines = [header, "|" + "---|" * 12]
+    lines = [header, "|" + "---|" * 13]
     for r in rows:
         cells = [
             r["workload"],
@@ -205,6 +207,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             _fmt(r.get("mean_accepted_per_round"), ".1f"),
             _fmt(r.get("draft_tier_bytes"), ".1f", MIB),
             _fmt(r.get("full_tier_bytes"), ".1f", MIB),
+            _fmt(r.get("device_kv_bytes"), ".1f", MIB),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
