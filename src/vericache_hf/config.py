@@ -69,10 +69,9 @@ class VeriCacheConfig:
             )
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
-        if isinstance(self.transfer_timeout, bool) or not isinstance(self.transfer_timeout, (int, float)):
-            raise ValueError(f"transfer_timeout must be a number of seconds, got {self.transfer_timeout!r}.")
-        if self.transfer_timeout <= 0:
-            raise ValueError(f"transfer_timeout must be positive, got {self.transfer_timeout!r}.")
+        timeout = self.transfer_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"transfer_timeout must be a positive number of seconds, got {timeout!r}.")
         for name in (
             "draft_length",
             "min_draft_length",

@@ -67,23 +67,18 @@ def _texts(tokenizer: Any, kind: str, context_tokens: int, count: int, first_pro
 TRIM_AT = 64
 
 
-def tokenize_batch(
-    tokenizer: Any, texts: list[str], problems: list[dict | None], same_length: bool = True
-) -> PromptBatch:
-    """Left-padded token ids of `texts`. With `same_length`, longer rows first drop a few filler tokens (at
-    `TRIM_AT`) to match the shortest, so the batch needs no padding: stock prefill of a padded batch takes sdpa's
-    masked path, which on a CPU materializes (B, H, L, L) scores and takes many minutes at 8k tokens."""
+def tokenize_batch(tokenizer: Any, texts: list[str], problems: list[dict | None]) -> PromptBatch:
+    """Token ids of `texts`, all of one length: longer rows drop a few filler tokens (at `TRIM_AT`) to match the
+    shortest, so the batch needs no padding (left padding only for prompts too short to trim). Stock prefill of a
+    padded batch takes sdpa's masked path, which on a CPU materializes (B, H, L, L) scores: minutes at 8k tokens."""
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
-        if same_length:
-            rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            shortest = min(len(row) for row in rows)
-            if shortest > 2 * TRIM_AT:
-                rows = [row[:TRIM_AT] + row[TRIM_AT + len(row) - shortest :] for row in rows]
-            encoded = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
-        else:
-            encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        shortest = min(len(row) for row in rows)
+        if shortest > 2 * TRIM_AT:
+            rows = [row[:TRIM_AT] + row[TRIM_AT + len(row) - shortest :] for row in rows]
+        encoded = tokenizer.pad({"input_ids": rows}, return_tensors="pt")
     finally:
         tokenizer.padding_side = side
     return PromptBatch(encoded["input_ids"], encoded["attention_mask"], list(problems))

@@ -68,7 +68,8 @@ def streamed_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of (B, H, q, D) queries over the full tier's chunks, then the q new (B, H_kv, q, D) keys/values.
 
-    `vericache_chunks(layer_idx)` yields (keys, values, valid) per stored chunk, `valid` being (B, chunk) bool. Query
+    `vericache_chunks(layer_idx)` yields (keys, values, valid) per stored chunk, `valid` being (B, chunk) bool on the
+    keys' device. Query
     heads share key heads in groups (GQA) without repeating K/V. Returns (B, q, H, D_v), as transformers'
     attention functions do.
     """
@@ -85,7 +86,7 @@ def streamed_attention(
     grouped = query.reshape(batch, kv_heads, groups * length, dim)
     state = OnlineSoftmax(grouped, scaling)
     for keys, values, valid in vericache_chunks(module.layer_idx):
-        state.add(keys, values, valid[:, None, None, :].to(keys.device))
+        state.add(keys, values, valid[:, None, None, :])
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     state.add(key, value, causal.repeat(groups, 1))
     output = state.result().to(query.dtype).reshape(batch, heads, length, -1)

@@ -107,12 +107,13 @@ class TransferEngine:
             ChunkTransfer(store, snapshot, chunk, device, group, label)
             for chunk in range(snapshot.num_chunks)
         ]
+        inference_mode = torch.is_inference_mode_enabled()
         submitted = None
         if _cuda(device):  # the copies must follow the non-blocking appends queued on this stream
             submitted = torch.cuda.Event()
             submitted.record(torch.cuda.current_stream(device))
         for transfer in transfers:
-            transfer.inference_mode = torch.is_inference_mode_enabled()
+            transfer.inference_mode = inference_mode
             if submitted is not None:
                 transfer.events["submitted"] = submitted
         with self._lock:

@@ -201,13 +201,17 @@ class VeriCache(Cache):
             self.round_read = True
         elif self.verify_round is None:
             raise RuntimeError("a verify pass must run its layers in order from layer 0.")
-        stored = self.layers[layer_idx].full.length
-        for transfer in self.verify_round[layer_idx]:
-            if transfer.snapshot.length != stored:
-                raise RuntimeError(
-                    f"layer {layer_idx}'s full tier changed while its transfer was in flight "
-                    f"({transfer.snapshot.length} -> {stored} tokens); commit only after the verify pass."
-                )
+        chunks = self.verify_round[layer_idx]
+        copied, stored = (
+            chunks[0].snapshot.length,
+            self.layers[layer_idx].full.length,
+        )  # one snapshot per layer
+        if copied != stored:
+            raise RuntimeError(
+                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({copied} -> {stored} "
+                "tokens); commit only after the verify pass."
+            )
+        for transfer in chunks:
             keys, values = self.transfers.wait(transfer)
             valid = self.full_valid[:, transfer.start : transfer.start + transfer.tokens]
             yield keys, values, valid.to(keys.device, non_blocking=True)
