@@ -250,11 +250,17 @@ def test_bad_transfer_settings_are_refused(field, value):
         VeriCacheConfig(**{field: value})
 
 
+@pytest.mark.parametrize("kernel", ["fused", "matmul"])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 500])
-def test_streamed_attention_equals_sdpa_over_the_whole_sequence(chunk):
+def test_streamed_attention_equals_sdpa_over_the_whole_sequence(chunk, kernel, monkeypatch):
     """The chunked log-sum-exp merge against torch's own attention on the concatenated K/V, with GQA, padding and
-    a row whose first chunk is entirely masked."""
+    a row whose first chunk is entirely masked; through torch's fused CPU kernel and through the plain matmul path
+    other devices take."""
+    from vericache_hf.cache import attention
     from vericache_hf.cache.attention import streamed_attention
+
+    if kernel == "matmul":
+        monkeypatch.setattr(attention, "_FUSED_CPU", None)
 
     generator = torch.Generator().manual_seed(chunk)
     batch, heads, kv_heads, stored, new, dim = 2, 6, 2, 300, 9, 16

@@ -22,37 +22,57 @@ from transformers import AttentionInterface
 ATTENTION_NAME = "vericache_streamed"
 
 
+#: torch's fused CPU attention kernel; unlike the public `scaled_dot_product_attention` it also returns each row's
+#: log-sum-exp, which is what merging chunks needs. Elsewhere chunks take the plain matmul path.
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def chunk_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of (B, H, rows, D) queries over one chunk, and each row's log-sum-exp of its scores
+    ((B, H, rows), -inf where `allowed`, broadcastable to (B, H, rows, chunk), masks the whole chunk)."""
+    empty = ~allowed.any(dim=-1)
+    if _FUSED_CPU is not None and queries.device.type == "cpu":
+        bias = torch.zeros(allowed.shape, dtype=queries.dtype).masked_fill_(~allowed, float("-inf"))
+        output, lse = _FUSED_CPU(queries, keys, values, attn_mask=bias, scale=scaling)
+    else:
+        scores = torch.matmul(queries, keys.transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
+        output = torch.matmul(weights, values)
+    # A row that sees no token of this chunk contributes nothing (the fused kernel reports lse 0 for it).
+    return output.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
+
+
 class OnlineSoftmax:
-    """Running softmax-weighted sum of value chunks: (B, H_kv, rows, D) queries against key chunks arriving in turn."""
+    """Running attention of (B, H_kv, rows, D) queries over key chunks arriving in turn: each chunk's result is
+    merged with the running one by the log-sum-exp rule, so no chunk is kept after it is read."""
 
     def __init__(self, queries: torch.Tensor, scaling: float) -> None:
         # Half-precision models attend in float32 here, as the fused kernels accumulate internally.
         self.compute_dtype = torch.promote_types(queries.dtype, torch.float32)
         self.queries = queries.to(self.compute_dtype)
         self.scaling = scaling
-        self.maximum: torch.Tensor | None = None  # (B, H_kv, rows, 1)
-        self.total: torch.Tensor | None = None  # sum of exp(score - maximum)
-        self.weighted: torch.Tensor | None = None  # sum of exp(score - maximum) * value
+        self.output: torch.Tensor | None = None  # (B, H_kv, rows, D): attention over the chunks so far
+        self.lse: torch.Tensor | None = None  # (B, H_kv, rows): log-sum-exp of their scores
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> None:
         """Attend to one chunk; `allowed` broadcasts to (B, H_kv, rows, chunk) and is False where masked."""
         keys, values = keys.to(self.compute_dtype), values.to(self.compute_dtype)
-        scores = torch.matmul(self.queries, keys.transpose(-1, -2)) * self.scaling
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        chunk_max = scores.amax(dim=-1, keepdim=True)
-        maximum = chunk_max if self.maximum is None else torch.maximum(self.maximum, chunk_max)
-        safe_max = torch.where(torch.isinf(maximum), torch.zeros_like(maximum), maximum)  # rows masked so far
-        weights = torch.exp(scores - safe_max)
-        weighted = torch.matmul(weights, values)
-        total = weights.sum(dim=-1, keepdim=True)
-        if self.maximum is not None:
-            rescale = torch.exp(self.maximum - safe_max)
-            weighted = weighted + self.weighted * rescale
-            total = total + self.total * rescale
-        self.maximum, self.total, self.weighted = maximum, total, weighted
+        output, lse = chunk_attention(self.queries, keys, values, allowed, self.scaling)
+        if self.output is None:
+            self.output, self.lse = output, lse
+            return
+        merged = torch.logaddexp(self.lse, lse)
+        reference = torch.where(torch.isinf(merged), 0.0, merged)  # rows that saw no token yet
+        old_share = torch.exp(self.lse - reference)[..., None]
+        new_share = torch.exp(lse - reference)[..., None]
+        self.output, self.lse = self.output * old_share + output * new_share, merged
 
     def result(self) -> torch.Tensor:
-        return self.weighted / self.total
+        return self.output
 
 
 def streamed_attention(
