@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .checks import check_budget, check_int, check_ratio, check_seconds
+
 DRAFT_SCHEDULES = ("adaptive", "fixed")
 
 
@@ -57,21 +59,11 @@ class VeriCacheConfig:
             raise TypeError(
                 f"refresh must be a vericache_hf.cache.refresh.RefreshPolicy or None, got {type(self.refresh).__name__}."
             )
-        if not isinstance(self.compression_ratio, (int, float)) or not 0.0 <= self.compression_ratio < 1.0:
-            raise ValueError(
-                f"compression_ratio must be a fraction in [0, 1) of the KV cache to remove (0.75 keeps a quarter), "
-                f"got {self.compression_ratio!r}."
-            )
-        budget = self.compression_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(
-                f"compression_budget must be a positive number of tokens or None, got {budget!r}."
-            )
+        check_ratio("compression_ratio", self.compression_ratio)
+        check_budget("compression_budget", self.compression_budget)
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
-        timeout = self.transfer_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"transfer_timeout must be a positive number of seconds, got {timeout!r}.")
+        check_seconds("transfer_timeout", self.transfer_timeout)
         for name in (
             "draft_length",
             "min_draft_length",
@@ -79,9 +71,7 @@ class VeriCacheConfig:
             "chunk_tokens",
             "staging_buffers",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+            check_int(name, getattr(self, name))
         if self.min_draft_length > self.max_draft_length:
             raise ValueError(
                 f"min_draft_length ({self.min_draft_length}) must not exceed max_draft_length "

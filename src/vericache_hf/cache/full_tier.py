@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
+
 
 def pinned_memory_available() -> bool:
     """Page-locked host memory only exists alongside a CUDA runtime; on a CPU-only torch `pin_memory` raises."""
@@ -78,8 +80,7 @@ class HostKVStore:
     """Append-only, chunked K/V store of one layer: keys/values laid out as (B, H_kv, T, D) across chunks."""
 
     def __init__(self, chunk_tokens: int = 1024, pin_memory: bool | None = None) -> None:
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}.")
+        check_int("chunk_tokens", chunk_tokens)
         if pin_memory and not pinned_memory_available():
             raise ValueError(
                 "pin_memory=True needs a CUDA runtime; pass pin_memory=None to choose automatically."

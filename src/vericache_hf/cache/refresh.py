@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..checks import check_int
 from ..compressors.base import CompressionContext, Compressor
 
 
@@ -68,22 +69,13 @@ class RefreshPolicy:
     def __post_init__(self) -> None:
         if self.every_tokens is None and self.min_accepted is None:
             raise ValueError("RefreshPolicy needs every_tokens, min_accepted or both.")
-        if self.every_tokens is not None and (
-            isinstance(self.every_tokens, bool)
-            or not isinstance(self.every_tokens, int)
-            or self.every_tokens < 1
-        ):
-            raise ValueError(f"every_tokens must be a positive integer, got {self.every_tokens!r}.")
+        if self.every_tokens is not None:
+            check_int("every_tokens", self.every_tokens)
         if self.min_accepted is not None and (
             not isinstance(self.min_accepted, (int, float)) or self.min_accepted < 0
         ):
             raise ValueError(f"min_accepted must be a non-negative number, got {self.min_accepted!r}.")
-        if (
-            isinstance(self.window_rounds, bool)
-            or not isinstance(self.window_rounds, int)
-            or self.window_rounds < 1
-        ):
-            raise ValueError(f"window_rounds must be a positive integer, got {self.window_rounds!r}.")
+        check_int("window_rounds", self.window_rounds)
 
     def due(self, committed: int, mean_accepted: float) -> bool:
         """Record a round (tokens committed, mean accepted drafts); True when a refresh is due."""

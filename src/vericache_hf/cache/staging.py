@@ -12,6 +12,8 @@ from collections import deque
 
 import torch
 
+from ..checks import check_int
+
 #: Buffers for contexts shorter than a chunk are sized in whole granules, so they are replaced rarely as it grows.
 GRANULE_TOKENS = 256
 
@@ -25,11 +27,7 @@ class StagingBuffers:
     """`num_buffers` slots, each holding at most one (keys, values) buffer pair per device."""
 
     def __init__(self, num_buffers: int = 2) -> None:
-        if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
-            raise ValueError(
-                f"staging buffers must be a positive integer (2 lets one layer copy while another computes), "
-                f"got {num_buffers!r}."
-            )
+        check_int("staging buffers", num_buffers, why=" (2 let one chunk copy while another is read)")
         self.num_buffers = num_buffers
         self.free: deque[int] = deque(range(num_buffers))
         self.pairs: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..checks import check_seconds
 from .full_tier import HostKVStore, HostSnapshot
 from .staging import StagingBuffers, buffer_tokens
 
@@ -84,8 +85,7 @@ class TransferEngine:
     """Chunk transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
 
     def __init__(self, num_buffers: int = 2, timeout: float = 60.0) -> None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"transfer timeout must be a positive number of seconds, got {timeout!r}.")
+        check_seconds("transfer timeout", timeout)
         self.buffers = StagingBuffers(num_buffers)
         self.timeout = float(timeout)
         self._lock = threading.RLock()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..cache.draft_tier import DraftStore, TokenStore
+from ..checks import check_budget, check_ratio
 
 
 @dataclass
@@ -35,16 +36,6 @@ class CompressionContext:
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def check_ratio(name: str, compression_ratio: float) -> None:
-    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)):
-        raise TypeError(f"{name}.compression_ratio must be a number, got {type(compression_ratio).__name__}.")
-    if not 0.0 <= compression_ratio < 1.0:
-        raise ValueError(
-            f"{name}.compression_ratio must be in [0, 1): the fraction of the KV cache to remove "
-            f"(0.75 keeps a quarter). Got {compression_ratio}."
-        )
-
-
 class Compressor(ABC):
     """Builds a layer's draft tier from its exact K/V. Subclasses are dataclasses holding their parameters."""
 
@@ -54,19 +45,6 @@ class Compressor(ABC):
     @abstractmethod
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
-
-
-def check_int(owner: str, name: str, value: Any, low: int) -> None:
-    """Refuse a setting `owner.name` that is not an integer >= `low` (a bool is not an integer here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}.{name} must be an integer >= {low}, got {value!r}.")
-
-
-def check_budget(name: str, budget: int | None) -> None:
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(
-            f"{name}.budget must be a positive number of tokens to keep (or None), got {budget!r}."
-        )
 
 
 @dataclass
@@ -82,8 +60,8 @@ class ScorerCompressor(Compressor):
     budget: int | None = None
 
     def __post_init__(self) -> None:
-        check_ratio(type(self).__name__, self.compression_ratio)
-        check_budget(type(self).__name__, self.budget)
+        check_ratio(f"{type(self).__name__}.compression_ratio", self.compression_ratio)
+        check_budget(f"{type(self).__name__}.budget", self.budget)
 
     @abstractmethod
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:

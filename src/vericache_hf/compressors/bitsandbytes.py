@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..cache.draft_tier import tensor_bytes
-from .base import check_ratio
+from ..checks import check_ratio
 from .quantized import Codec, QuantizedCompressor, require
 
 QUANT_TYPES = {"nf4": 4, "fp4": 4, "int8": 8}
@@ -60,7 +60,7 @@ class BitsAndBytesCompressor(QuantizedCompressor):
     supported_bits: ClassVar[tuple[int, ...]] = (4, 8)
 
     def __post_init__(self) -> None:
-        check_ratio(type(self).__name__, self.compression_ratio)
+        check_ratio(f"{type(self).__name__}.compression_ratio", self.compression_ratio)
         if self.quant_type is None:
             super().__post_init__()
             self.quant_type = "nf4" if self.bits == 4 else "int8"

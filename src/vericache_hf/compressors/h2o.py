@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import CompressionContext, ScorerCompressor, check_int
+from ..checks import check_int
+from .base import CompressionContext, ScorerCompressor
 from .snapkv import window_queries
 
 
@@ -33,8 +34,8 @@ class H2OCompressor(ScorerCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("H2OCompressor", "recent_size", self.recent_size, 0)
-        check_int("H2OCompressor", "chunk_size", self.chunk_size, 1)
+        check_int("H2OCompressor.recent_size", self.recent_size, 0)
+        check_int("H2OCompressor.chunk_size", self.chunk_size, 1)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         batch, kv_heads, length, _ = keys.shape

@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..cache.draft_tier import DraftStore, TokenStore
-from .base import CompressionContext, Compressor, check_int, check_ratio
+from ..checks import check_int, check_ratio
+from .base import CompressionContext, Compressor
 
 
 class Codec(ABC):
@@ -48,7 +49,7 @@ def require(module: str, extra: str, package: str) -> Any:
 
 def bits_for_ratio(name: str, compression_ratio: float, supported: tuple[int, ...]) -> int:
     """Map a kvpress-style ratio to a bit width relative to 16-bit storage (0.75 -> 4, 0.875 -> 2)."""
-    check_ratio(name, compression_ratio)
+    check_ratio(f"{name}.compression_ratio", compression_ratio)
     bits = 16 * (1 - compression_ratio)
     for candidate in supported:
         if abs(bits - candidate) < 1e-6:
@@ -152,8 +153,8 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"{name}.bits must be one of {self.supported_bits}, got {self.bits!r}.")
         else:
             self.compression_ratio = 1 - self.bits / 16
-        check_int(name, "group_size", self.group_size, 1)
-        check_int(name, "residual_length", self.residual_length, 0)
+        check_int(f"{name}.group_size", self.group_size, 1)
+        check_int(f"{name}.residual_length", self.residual_length, 0)
 
     def codec(self, head_dim: int) -> Codec:
         raise NotImplementedError

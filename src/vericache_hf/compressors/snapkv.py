@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .base import CompressionContext, ScorerCompressor, check_int
+from ..checks import check_int
+from .base import CompressionContext, ScorerCompressor
 
 
 def window_queries(context: CompressionContext, window: int) -> torch.Tensor:
@@ -47,8 +48,8 @@ class SnapKVCompressor(ScorerCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("SnapKVCompressor", "window_size", self.window_size, 1)
-        check_int("SnapKVCompressor", "kernel_size", self.kernel_size, 1)
+        check_int("SnapKVCompressor.window_size", self.window_size, 1)
+        check_int("SnapKVCompressor.kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise ValueError(f"SnapKVCompressor.kernel_size must be odd, got {self.kernel_size}.")
 

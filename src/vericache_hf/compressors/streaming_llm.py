@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.draft_tier import DraftStore, TokenStore
-from .base import CompressionContext, ScorerCompressor, check_int
+from ..checks import check_int
+from .base import CompressionContext, ScorerCompressor
 
 
 class WindowStore(TokenStore):
@@ -43,7 +44,7 @@ class StreamingLLMCompressor(ScorerCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("StreamingLLMCompressor", "n_sink", self.n_sink, 0)
+        check_int("StreamingLLMCompressor.n_sink", self.n_sink, 0)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         valid = context.valid.to(keys.device)
