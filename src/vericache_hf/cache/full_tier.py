@@ -65,16 +65,6 @@ class HostSnapshot:
         values_out[:, :, :take].copy_(values, non_blocking=True)
         return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
-    def copy_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
-        """Copy every stored token into the first `length` slots of (B, H, >=length, D) buffers."""
-        moved = 0
-        for chunk in range(self.num_chunks):
-            start, take = self.chunk_span(chunk)
-            moved += self.copy_chunk_into(
-                chunk, keys_out[:, :, start : start + take], values_out[:, :, start : start + take]
-            )
-        return moved
-
 
 class HostKVStore:
     """Append-only, chunked K/V store of one layer: keys/values laid out as (B, H_kv, T, D) across chunks."""
