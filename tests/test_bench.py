@@ -116,6 +116,35 @@ def test_build_methods_puts_the_reference_first():
         build_methods(["snapkv"], [0.75], peers=["medusa"])
 
 
+def test_each_workload_is_handed_over_with_its_own_samples_as_it_ends(llama):
+    workloads = [synthetic_workload(1), synthetic_workload(2)]
+    handed = []
+    samples = run_bench(
+        llama,
+        workloads,
+        [Method("full")],
+        max_new_tokens=2,
+        repeats=1,
+        progress=False,
+        on_workload=lambda workload, mine: handed.append((workload.name, [s.workload for s in mine])),
+    )
+    assert handed == [(w.name, [w.name]) for w in workloads]
+    assert [s.workload for s in samples] == [w.name for w in workloads]
+
+
+def test_resume_keeps_saved_rows_only_under_the_same_settings(tmp_path):
+    from vericache_hf.bench.command import RESUME_KEYS, resumed_rows
+
+    settings = vars(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
+    assert resumed_rows(tmp_path, settings) == []  # nothing saved yet
+    saved_settings = {key: settings[key] for key in RESUME_KEYS}
+    rows = [{"workload": "code-2048-b1", "method": "full cache"}]
+    (tmp_path / "results.json").write_text(json.dumps({"settings": saved_settings, "rows": rows}))
+    assert resumed_rows(tmp_path, settings) == rows
+    with pytest.raises(SystemExit, match="max_new_tokens=128, this run asks for 64"):
+        resumed_rows(tmp_path, {**settings, "max_new_tokens": 64})
+
+
 def test_quick_flag_sets_the_quick_sizes():
     args = apply_quick(build_parser().parse_args(["bench", "--quick"]))
     assert (args.contexts, args.batch_sizes, args.repeats) == (QUICK["contexts"], QUICK["batch_sizes"], 2)
@@ -219,3 +248,7 @@ def test_bench_command_on_the_embedded_model(tmp_path):
     assert vericache["identical_share"] == 1.0 and vericache["parse_share"] is not None
     assert markdown_table(rows).count("\n") == len(rows) + 1
     assert (tmp_path / "throughput_vs_ratio.png").is_file()
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["complete"] is True
+    # Resumed with the same settings, every workload is already there: the saved rows are kept, not re-measured.
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == rows

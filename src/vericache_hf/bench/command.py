@@ -81,6 +81,12 @@ def add_bench_command(subparsers) -> None:
         "--no-reexec", action="store_true", help="do not restart with the CPU malloc settings"
     )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the workloads already in --out/results.json (made with the same settings) and run only the "
+        "rest; results are saved after every workload",
+    )
     parser.set_defaults(run=run_bench_command)
 
 
@@ -92,6 +98,29 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
         args.compressors, args.ratios, args.repeats = QUICK["compressors"], QUICK["ratios"], QUICK["repeats"]
         args.peers = QUICK["peers"]
     return args
+
+
+#: Settings that change what a workload's rows mean; a resumed run must share them with the saved one.
+RESUME_KEYS = (
+    "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "repeats", "peers",
+    "no_peers",
+)  # fmt: skip
+
+
+def resumed_rows(out_dir: Path, settings: dict) -> list[dict]:
+    """The rows of `out_dir/results.json`, checked to come from a run with the same `RESUME_KEYS` settings
+    (none when there is no such file)."""
+    path = out_dir / "results.json"
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    for key in RESUME_KEYS:
+        if saved["settings"].get(key) != settings.get(key):
+            raise SystemExit(
+                f"--resume: {path} was made with {key}={saved['settings'].get(key)!r}, this run asks for "
+                f"{settings.get(key)!r}. Run with the same settings, or choose another --out."
+            )
+    return saved["rows"]
 
 
 def _reexec_with_cpu_env(args: argparse.Namespace) -> None:
@@ -149,21 +178,33 @@ def run_bench_command(args: argparse.Namespace) -> int:
         peers=[] if args.no_peers else args.peers,
         draft_length=args.draft_length,
     )
-    samples = run_bench(
-        model, workloads, methods, args.max_new_tokens, repeats=args.repeats, progress=not args.no_progress
-    )
-    rows = summarize(samples, workloads, tokenizer)
     settings = {
         key: (str(value) if isinstance(value, Path) else value)
         for key, value in vars(args).items()
         if key != "run"
     }
-    settings.update(
-        torch_threads=torch.get_num_threads(),
-        env={k: os.environ.get(k) for k in CPU_ENV},
-        wall_seconds=round(time.perf_counter() - started, 1),
+    settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})
+    rows = resumed_rows(args.out, settings) if args.resume else []
+    done = {row["workload"] for row in rows}
+
+    def report(complete: bool) -> tuple[Path, Path]:
+        wall = round(time.perf_counter() - started, 1)
+        return write_report(rows, args.out, {**settings, "wall_seconds": wall, "complete": complete})
+
+    def save(workload, samples) -> None:  # after every workload, so an interrupted run keeps what it measured
+        rows.extend(summarize(samples, [workload], tokenizer))
+        report(complete=False)
+
+    run_bench(
+        model,
+        [w for w in workloads if w.name not in done],
+        methods,
+        args.max_new_tokens,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+        on_workload=save,
     )
-    json_path, md_path = write_report(rows, args.out, settings)
+    json_path, md_path = report(complete=True)
     figures = plot_all(json.loads(json_path.read_text())["rows"], args.out)
     print("\n" + markdown_table(rows) + "\n\nWhere VeriCache's time goes:\n\n" + time_table(rows))
     print(f"\nWrote {json_path}, {md_path} and {', '.join(str(f) for f in figures)}.")

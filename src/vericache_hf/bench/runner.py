@@ -8,6 +8,7 @@ times its own prefill (its first forward pass), so decode throughput can be told
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -97,8 +98,10 @@ def run_bench(
     repeats: int = 2,
     eos_token_ids: set[int] | None = None,
     progress: bool = True,
+    on_workload: Callable[[Workload, list[Sample]], None] | None = None,
 ) -> list[Sample]:
-    """Every method on every batch of every workload, `repeats` times each, interleaved."""
+    """Every method on every batch of every workload, `repeats` times each, interleaved. `on_workload(workload,
+    its samples)` is called as each workload ends, so a long run can save what it has."""
     if not methods or methods[0].family != "full":
         raise ValueError(
             "methods must start with the full-cache method (Method('full')): it is the reference."
@@ -115,6 +118,7 @@ def run_bench(
     )
     samples: list[Sample] = []
     for workload in workloads:
+        start = len(samples)
         for index, batch in enumerate(workload.batches):
             group = [Sample(m, workload.name, index, batch.batch_size) for m in methods]
             for sample in group:
@@ -129,6 +133,8 @@ def run_bench(
                     _run_once(model, sample.method, batch, sample, max_new_tokens, eos, first=repeat == 0)
                     bar.update()
             samples.extend(group)
+        if on_workload is not None:
+            on_workload(workload, samples[start:])
     bar.close()
     return samples
 
