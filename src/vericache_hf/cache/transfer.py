@@ -103,19 +103,24 @@ class TransferEngine:
         """Queue copies of `store`'s chunks as they are now, one transfer per chunk; transfers are served in
         submission order. `label` names the layer in errors."""
         snapshot, device = store.snapshot(), torch.device(device)
+        events = {}
+        if _cuda(device):  # the copies must follow the non-blocking appends queued on this stream
+            events["submitted"] = torch.cuda.Event()
+            events["submitted"].record(torch.cuda.current_stream(device))
+        inference_mode = torch.is_inference_mode_enabled()
         transfers = [
-            ChunkTransfer(store, snapshot, chunk, device, group, label)
+            ChunkTransfer(
+                store,
+                snapshot,
+                chunk,
+                device,
+                group,
+                label,
+                inference_mode=inference_mode,
+                events=dict(events),
+            )
             for chunk in range(snapshot.num_chunks)
         ]
-        inference_mode = torch.is_inference_mode_enabled()
-        submitted = None
-        if _cuda(device):  # the copies must follow the non-blocking appends queued on this stream
-            submitted = torch.cuda.Event()
-            submitted.record(torch.cuda.current_stream(device))
-        for transfer in transfers:
-            transfer.inference_mode = inference_mode
-            if submitted is not None:
-                transfer.events["submitted"] = submitted
         with self._lock:
             store.transfers_in_flight += len(transfers)
             self._backlog.extend(transfers)

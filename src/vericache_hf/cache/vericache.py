@@ -202,10 +202,8 @@ class VeriCache(Cache):
         elif self.verify_round is None:
             raise RuntimeError("a verify pass must run its layers in order from layer 0.")
         chunks = self.verify_round[layer_idx]
-        copied, stored = (
-            chunks[0].snapshot.length,
-            self.layers[layer_idx].full.length,
-        )  # one snapshot per layer
+        copied = chunks[0].snapshot.length  # a layer's chunks share one snapshot
+        stored = self.layers[layer_idx].full.length
         if copied != stored:
             raise RuntimeError(
                 f"layer {layer_idx}'s full tier changed while its transfer was in flight ({copied} -> {stored} "
