@@ -133,7 +133,11 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
     compressor = build_compressor("streaming_llm", args.compression_ratio)
     layers = model.config.num_hidden_layers
     cache = VeriCache(
-        layers, compressor, chunk_tokens=args.chunk_tokens, staging_buffers=args.staging_buffers
+        layers,
+        compressor,
+        chunk_tokens=args.chunk_tokens,
+        staging_buffers=args.staging_buffers,
+        stage_on_cpu=True,  # a CPU dry run takes the accelerator's transfer path too
     )
     cache.start(torch.ones(batch, context, dtype=torch.long, device=device))
     for layer in range(model.config.num_hidden_layers):

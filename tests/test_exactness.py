@@ -104,7 +104,7 @@ def test_stats_are_reported_and_accumulated(llama):
     stats = out.vericache_stats
     assert stats.rounds > 0 and stats.drafted_tokens >= stats.accepted_tokens
     assert stats.emitted_tokens == 30
-    assert stats.bytes_to_device > 0 and stats.draft_tier_bytes < stats.full_tier_bytes
+    assert stats.chunk_transfers > 0 and stats.draft_tier_bytes < stats.full_tier_bytes
     assert total.rounds == 2 * stats.rounds
 
 

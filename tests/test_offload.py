@@ -34,6 +34,7 @@ def prefilled(layers: int, tokens: int, buffers: int = 2, batch: int = 1, seed: 
         chunk_tokens=CHUNK,
         staging_buffers=buffers,
         transfer_timeout=30,
+        stage_on_cpu=True,  # the accelerator's path: staging buffers and the transfer thread
     )
     cache.start(torch.ones(batch, tokens, dtype=torch.long))
     prompt = []
@@ -111,7 +112,7 @@ def test_generate_at_8k_and_32k_matches_stock_with_the_same_full_tier_device_byt
     """End to end in float64: the verify pass attends over 4 and 16 streamed chunks and merges them exactly enough
     that greedy output equals stock `generate` on the full cache; the full tier's device bytes do not change."""
     model = tiny_model("llama", max_position_embeddings=33000)
-    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.875)
+    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.875, stage_on_cpu=True)
     staging = {}
     for context in (8192, 32768):
         ids = random_prompt(context, seed=context)
@@ -130,7 +131,9 @@ def stock(model, ids, **kwargs):
 
 
 def vericache(model, ids, **kwargs):
-    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.75, draft_length=8)
+    config = VeriCacheConfig(
+        compressor="streaming_llm", compression_ratio=0.75, draft_length=8, stage_on_cpu=True
+    )
     return model.generate(
         ids, do_sample=False, generation_mode="vericache", vericache_config=config, **kwargs
     )
@@ -172,6 +175,18 @@ def test_generate_streams_the_full_tier_and_reports_the_transfers(deep_llama):
     )
     assert 0 < stats.peak_draft_tier_bytes + stats.peak_staging_bytes < full_kv
     assert no_worker_left()
+
+
+def test_on_cpu_the_verify_pass_reads_the_full_tier_in_place_by_default(deep_llama):
+    """The default on a CPU: the same output as stock, every chunk read where it lies, no copy and no thread."""
+    ids = random_prompt(300, batch=2, seed=12)
+    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.75, chunk_tokens=128)
+    out = vericache_dict(deep_llama, ids, config=config, max_new_tokens=16)
+    assert torch.equal(out.sequences, stock(deep_llama, ids, max_new_tokens=16))
+    stats = out.vericache_stats
+    assert stats.chunk_transfers >= 3 * deep_llama.config.num_hidden_layers  # 3 chunks a layer, each round
+    assert stats.bytes_to_device == stats.peak_staging_bytes == 0
+    assert out.past_key_values.transfers._last_thread is None
 
 
 def test_a_transfer_failure_raises_from_generate_and_the_next_call_works(deep_llama, monkeypatch):
@@ -223,14 +238,16 @@ def test_generate_under_inference_mode_matches_stock():
             max_new_tokens=20,
             do_sample=False,
             generation_mode="vericache",
-            vericache_config=VeriCacheConfig(),
+            vericache_config=VeriCacheConfig(stage_on_cpu=True),
         )
     assert torch.equal(got, expected)
 
 
 def test_staging_buffers_and_chunk_size_come_from_the_config(deep_llama):
     ids = random_prompt(300, batch=2, seed=5)
-    config = VeriCacheConfig(compressor="streaming_llm", chunk_tokens=64, staging_buffers=3)
+    config = VeriCacheConfig(
+        compressor="streaming_llm", chunk_tokens=64, staging_buffers=3, stage_on_cpu=True
+    )
     out = vericache_dict(deep_llama, ids, config=config, max_new_tokens=12)
     assert torch.equal(out.sequences, stock(deep_llama, ids, max_new_tokens=12))
     cfg = deep_llama.config

@@ -1,5 +1,6 @@
 """The full tier's host store and the transfer engine on CPU: chunked appends, ordering, backpressure, shutdown,
-timeouts and failures. The same queue and worker thread serve CUDA; here copies go into separate CPU buffers."""
+timeouts and failures. The same queue and worker thread serve CUDA; here (`stage_on_cpu=True`) copies go into
+separate CPU buffers. By default a CPU consumer reads the host chunks in place, tested last."""
 
 from __future__ import annotations
 
@@ -74,13 +75,13 @@ def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="staging buffers"):
         StagingBuffers(0)
     with pytest.raises(ValueError, match="timeout"):
-        TransferEngine(timeout=0)
+        TransferEngine(timeout=0, stage_on_cpu=True)
     with pytest.raises(ValueError, match="prefill"):
         HostKVStore().snapshot()
 
 
 def test_chunks_arrive_in_order_with_the_stored_tokens():
-    engine = TransferEngine(num_buffers=2, timeout=10)
+    engine = TransferEngine(num_buffers=2, timeout=10, stage_on_cpu=True)
     stores = [filled_store(30 + 7 * i, seed=i) for i in range(5)]
     layers = [engine.submit(store, "cpu", label=i) for i, (store, _, _) in enumerate(stores)]
     for chunks, (store, keys, values) in zip(layers, stores, strict=True):
@@ -100,7 +101,7 @@ def test_chunks_arrive_in_order_with_the_stored_tokens():
 
 @pytest.mark.parametrize("num_buffers", [1, 2, 3])
 def test_backpressure_bounds_the_chunks_on_the_device(num_buffers):
-    engine = TransferEngine(num_buffers=num_buffers, timeout=10)
+    engine = TransferEngine(num_buffers=num_buffers, timeout=10, stage_on_cpu=True)
     stores = [filled_store(12, seed=i)[0] for i in range(5)]  # one chunk each
     transfers = [transfer for store in stores for transfer in engine.submit(store, "cpu")]
     for transfer in transfers[:num_buffers]:
@@ -119,7 +120,7 @@ def test_backpressure_bounds_the_chunks_on_the_device(num_buffers):
 
 @pytest.mark.parametrize("tokens", [20, 250, 1000])
 def test_staging_buffers_are_chunk_sized_whatever_the_length(tokens):
-    engine = TransferEngine(num_buffers=2, timeout=10)
+    engine = TransferEngine(num_buffers=2, timeout=10, stage_on_cpu=True)
     store, _, _ = filled_store(tokens)
     for transfer in engine.submit(store, "cpu"):
         engine.wait(transfer)
@@ -128,7 +129,7 @@ def test_staging_buffers_are_chunk_sized_whatever_the_length(tokens):
 
 
 def test_truncating_a_store_with_a_transfer_in_flight_is_refused():
-    engine = TransferEngine(timeout=10)
+    engine = TransferEngine(timeout=10, stage_on_cpu=True)
     store, _, _ = filled_store(30)
     transfers = engine.submit(store, "cpu")  # two chunks
     with pytest.raises(RuntimeError, match="in flight"):
@@ -140,7 +141,7 @@ def test_truncating_a_store_with_a_transfer_in_flight_is_refused():
 
 
 def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usable(monkeypatch):
-    engine = TransferEngine(num_buffers=2, timeout=10)
+    engine = TransferEngine(num_buffers=2, timeout=10, stage_on_cpu=True)
     original = HostSnapshot.copy_chunk_into
     stores = [filled_store(12, seed=i)[0] for i in range(4)]
 
@@ -176,7 +177,7 @@ def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usab
 
 
 def test_a_stuck_worker_times_out_in_the_caller_and_close_stops_it(monkeypatch):
-    engine = TransferEngine(num_buffers=2, timeout=0.5)
+    engine = TransferEngine(num_buffers=2, timeout=0.5, stage_on_cpu=True)
     unblock = threading.Event()
     original = HostSnapshot.copy_chunk_into
 
@@ -195,7 +196,7 @@ def test_a_stuck_worker_times_out_in_the_caller_and_close_stops_it(monkeypatch):
 
 
 def test_close_cancels_pending_transfers_and_stops_the_worker():
-    engine = TransferEngine(num_buffers=1, timeout=10)
+    engine = TransferEngine(num_buffers=1, timeout=10, stage_on_cpu=True)
     stores = [filled_store(12, seed=i)[0] for i in range(3)]
     transfers = [engine.submit(store, "cpu")[0] for store in stores]
     engine.wait(transfers[0])
@@ -205,3 +206,22 @@ def test_close_cancels_pending_transfers_and_stops_the_worker():
             engine.wait(transfer)
     engine.release(transfers[0])
     assert no_worker_left() and engine.buffers.held == 0
+
+
+def test_by_default_a_cpu_consumer_reads_the_host_chunks_in_place():
+    """No copy and no thread when the device is the host; the store still may not shrink under the reader."""
+    store, keys, values = filled_store(40)
+    engine = TransferEngine(num_buffers=1, timeout=10)
+    transfers = engine.submit(store, "cpu")
+    assert [t.state for t in transfers] == ["ready"] * 3 and engine._last_thread is None
+    got = [engine.wait(t) for t in transfers]  # one buffer slot, yet all three are readable at once
+    for transfer, (chunk_keys, _) in zip(transfers, got, strict=True):
+        assert chunk_keys.data_ptr() == store.key_chunks[transfer.chunk].data_ptr() and transfer.bytes == 0
+    assert torch.equal(torch.cat([k for k, _ in got], dim=2), keys)
+    assert torch.equal(torch.cat([v for _, v in got], dim=2), values)
+    with pytest.raises(RuntimeError, match="in flight"):
+        store.truncate(10)
+    for transfer in transfers:
+        engine.release(transfer)
+    store.truncate(10)
+    assert engine.buffers.device_bytes() == 0 and engine._last_thread is None

@@ -33,6 +33,10 @@ class VeriCacheConfig:
             read). Device memory for the full tier is at most `staging_buffers * chunk_tokens` tokens of one layer,
             whatever the context length.
         transfer_timeout: seconds any wait on a full-tier transfer may take before it raises.
+        stage_on_cpu: when a layer's device is the CPU, its full tier is already in that memory, so the verify pass
+            reads the host chunks in place (no copy, no transfer thread). True copies them through the staging
+            buffers and the transfer thread anyway, as on an accelerator: the same results, slower; it runs the
+            accelerator's transfer path on a CPU-only machine.
         refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
             N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
@@ -49,6 +53,7 @@ class VeriCacheConfig:
     chunk_tokens: int = 2048
     staging_buffers: int = 2
     transfer_timeout: float = 60.0
+    stage_on_cpu: bool = False
     refresh: Any = None
     stats: Any = field(default=None, repr=False, compare=False)
 
@@ -64,6 +69,8 @@ class VeriCacheConfig:
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
         check_seconds("transfer_timeout", self.transfer_timeout)
+        if not isinstance(self.stage_on_cpu, bool):
+            raise TypeError(f"stage_on_cpu must be True or False, got {self.stage_on_cpu!r}.")
         for name in (
             "draft_length",
             "min_draft_length",

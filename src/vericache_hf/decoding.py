@@ -82,6 +82,7 @@ def generate(
         staging_buffers=config.staging_buffers,
         transfer_timeout=config.transfer_timeout,
         refresh_policy=config.refresh,
+        stage_on_cpu=config.stage_on_cpu,
     )
     pad = generation_config._pad_token_tensor
     io = DecodeIO(

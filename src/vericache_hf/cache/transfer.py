@@ -3,8 +3,9 @@
 It belongs to no request: any cache may `submit` a layer's chunks, in the order it will read them. A transfer waits
 in the backlog until a staging slot is free (backpressure: at most `num_buffers` chunks are on the device), then
 the worker thread copies it. With CUDA the copy runs on a dedicated stream and the consumer's stream waits on an
-event, so the host never blocks on the copy; without CUDA the same queue and thread make plain host-to-"device"
-copies into separate buffers.
+event, so the host never blocks on the copy. When the device is the CPU the full tier already lies in its memory:
+a transfer is then ready at once and hands out views of the host chunks, unless `stage_on_cpu=True` asks for the
+accelerator's path (buffers, queue and worker thread, with plain copies), which is how that path is tested here.
 
 Life of a transfer: backlog -> queued (holds a slot) -> copying -> ready -> released (slot free again); or failed /
 cancelled. The worker starts on demand and exits when its queue is empty, so an idle engine holds no thread.
@@ -84,10 +85,11 @@ def _timing_event():
 class TransferEngine:
     """Chunk transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
 
-    def __init__(self, num_buffers: int = 2, timeout: float = 60.0) -> None:
+    def __init__(self, num_buffers: int = 2, timeout: float = 60.0, stage_on_cpu: bool = False) -> None:
         check_seconds("transfer timeout", timeout)
         self.buffers = StagingBuffers(num_buffers)
         self.timeout = float(timeout)
+        self.stage_on_cpu = stage_on_cpu
         self._lock = threading.RLock()
         self._backlog: deque[ChunkTransfer] = deque()
         self._queue: deque[ChunkTransfer] = deque()
@@ -123,6 +125,10 @@ class TransferEngine:
         ]
         with self._lock:
             store.transfers_in_flight += len(transfers)
+            if device.type == "cpu" and not self.stage_on_cpu:
+                for transfer in transfers:
+                    self._read_in_place(transfer)
+                return transfers
             self._backlog.extend(transfers)
             self._dispatch()
         return transfers
@@ -206,6 +212,16 @@ class TransferEngine:
         return thread is not None and thread.is_alive()
 
     # -- the engine's side --------------------------------------------------------------------------------------
+    @staticmethod
+    def _read_in_place(transfer: ChunkTransfer) -> None:
+        """A CPU consumer reads the host chunk itself: no slot, no copy, nothing for the worker. The transfer still
+        counts as in flight until released, so the store cannot be truncated under the reader."""
+        transfer.keys = transfer.snapshot.key_chunks[transfer.chunk]
+        transfer.values = transfer.snapshot.value_chunks[transfer.chunk]
+        transfer.state = "ready"
+        transfer.done.set()
+        transfer.timed.set()
+
     def _cancel_one(self, transfer: ChunkTransfer, error: BaseException) -> None:
         for line in (self._backlog, self._queue):
             if transfer in line:

@@ -109,8 +109,9 @@ class VeriCache(Cache):
 
     `chunk_tokens` sizes the host chunks of the full tier, which are also the unit of transfer; `staging_buffers`
     is how many chunks of the full tier may be on the device at once; `transfer_timeout` bounds every wait on a
-    transfer. Pass a shared `transfers` engine to serve
-    several caches through one queue (its own buffer count and timeout then apply).
+    transfer; `stage_on_cpu` copies the full tier through the staging buffers even when a layer's device is the
+    CPU, where by default it is read in place. Pass a shared `transfers` engine to serve several caches through one
+    queue (its own buffer count, timeout and `stage_on_cpu` then apply).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class VeriCache(Cache):
         transfer_timeout: float = 60.0,
         transfers: TransferEngine | None = None,
         refresh_policy: RefreshPolicy | None = None,
+        stage_on_cpu: bool = False,
     ) -> None:
         if refresh_policy is not None:
             check_refreshable(compressor)
@@ -131,7 +133,7 @@ class VeriCache(Cache):
         self.chunk_tokens = chunk_tokens
         self.stats = stats if stats is not None else VeriCacheStats()
         if transfers is None:
-            transfers = TransferEngine(staging_buffers, transfer_timeout)
+            transfers = TransferEngine(staging_buffers, transfer_timeout, stage_on_cpu)
         self.transfers = transfers
         self.verify_round: list[list[ChunkTransfer]] | None = None
         self.round_read = False
