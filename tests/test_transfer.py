@@ -75,7 +75,7 @@ def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="staging buffers"):
         StagingBuffers(0)
     with pytest.raises(ValueError, match="timeout"):
-        TransferEngine(timeout=0, stage_on_cpu=True)
+        TransferEngine(timeout=0)
     with pytest.raises(ValueError, match="prefill"):
         HostKVStore().snapshot()
 
