@@ -132,6 +132,54 @@ def test_each_workload_is_handed_over_with_its_own_samples_as_it_ends(llama):
     assert [s.workload for s in samples] == [w.name for w in workloads]
 
 
+def test_a_cut_short_workload_goes_on_from_its_saved_batches(llama):
+    from vericache_hf.bench.runner import Sample
+
+    two_batches = synthetic_workload(1)
+    two_batches.batches.append(
+        PromptBatch(random_prompt(60, seed=7), torch.ones(1, 60, dtype=torch.long), [None])
+    )
+    methods = [Method("full"), Method("vericache", "snapkv", 0.75)]
+    saved = []
+    first = run_bench(
+        llama,
+        [two_batches],
+        methods,
+        max_new_tokens=6,
+        repeats=1,
+        progress=False,
+        on_batch=lambda workload, group: saved.extend(json.loads(json.dumps(s.to_dict())) for s in group),
+    )
+    assert [(d["batch_index"], d["method"]["family"]) for d in saved] == [
+        (0, "full"), (0, "vericache"), (1, "full"), (1, "vericache")
+    ]  # fmt: skip
+    # As if the run had stopped inside batch 1: batch 0 is kept as saved, batch 1 (one method short) runs again.
+    kept = [Sample.from_dict(d) for d in saved[:3]]
+    again = run_bench(
+        llama, [two_batches], methods, max_new_tokens=6, repeats=1, progress=False, measured=kept
+    )
+    assert again[:2] == kept[:2] and again[2] is not kept[2]
+    assert again[1].stats == first[1].stats and again[1].stats.rounds > 0
+    assert [s.rows for s in again] == [s.rows for s in first]
+    rows = summarize(again, [two_batches])
+    assert [r["identical_share"] for r in rows] == [1.0, 1.0]
+
+
+def test_resumed_samples_come_only_from_a_run_with_the_same_settings(tmp_path):
+    from vericache_hf.bench.command import IN_PROGRESS, resumed_samples, save_in_progress
+    from vericache_hf.bench.runner import Sample
+
+    settings = vars(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
+    assert resumed_samples(tmp_path, settings) == []
+    sample = Sample(Method("full"), "code-2k-b1", 3, 1, seconds=[1.5], rows=[[5, 6]], finished=[True])
+    save_in_progress(tmp_path, settings, [sample])
+    assert resumed_samples(tmp_path, settings) == [sample]
+    with pytest.raises(SystemExit, match="repeats=3, this run asks for 2"):
+        resumed_samples(tmp_path, {**settings, "repeats": 2})
+    save_in_progress(tmp_path, settings, [])  # every workload ended: nothing left in progress
+    assert not (tmp_path / IN_PROGRESS).exists()
+
+
 def test_resume_keeps_saved_rows_only_under_the_same_settings(tmp_path):
     from vericache_hf.bench.command import RESUME_KEYS, resumed_rows
 
@@ -249,6 +297,7 @@ def test_bench_command_on_the_embedded_model(tmp_path):
     assert markdown_table(rows).count("\n") == len(rows) + 1
     assert (tmp_path / "throughput_vs_ratio.png").is_file()
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["complete"] is True
+    assert not (tmp_path / "in_progress.json").exists()  # removed as the last workload ended
     # Resumed with the same settings, every workload is already there: the saved rows are kept, not re-measured.
     assert main([*argv, "--resume"]) == 0
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == rows

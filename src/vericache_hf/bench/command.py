@@ -84,8 +84,8 @@ def add_bench_command(subparsers) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the workloads already in --out/results.json (made with the same settings) and run only the "
-        "rest; results are saved after every workload",
+        help="keep what --out holds from a run with the same settings (ended workloads, and the batches measured "
+        "in one that was cut short) and run only the rest; results are saved after every batch",
     )
     parser.set_defaults(run=run_bench_command)
 
@@ -107,12 +107,15 @@ RESUME_KEYS = (
 )  # fmt: skip
 
 
-def resumed_rows(out_dir: Path, settings: dict) -> list[dict]:
-    """The rows of `out_dir/results.json`, checked to come from a run with the same `RESUME_KEYS` settings
-    (none when there is no such file)."""
-    path = out_dir / "results.json"
+#: The samples of the workloads that have not ended yet, saved after every batch (removed once all have ended).
+IN_PROGRESS = "in_progress.json"
+
+
+def _saved(path: Path, settings: dict) -> dict | None:
+    """`path`'s JSON, checked to come from a run with the same `RESUME_KEYS` settings (None when there is no
+    such file)."""
     if not path.is_file():
-        return []
+        return None
     saved = json.loads(path.read_text())
     for key in RESUME_KEYS:
         if saved["settings"].get(key) != settings.get(key):
@@ -120,7 +123,35 @@ def resumed_rows(out_dir: Path, settings: dict) -> list[dict]:
                 f"--resume: {path} was made with {key}={saved['settings'].get(key)!r}, this run asks for "
                 f"{settings.get(key)!r}. Run with the same settings, or choose another --out."
             )
-    return saved["rows"]
+    return saved
+
+
+def resumed_rows(out_dir: Path, settings: dict) -> list[dict]:
+    """The rows of the workloads that ended in `out_dir/results.json`, made with the same settings."""
+    saved = _saved(out_dir / "results.json", settings)
+    return saved["rows"] if saved else []
+
+
+def resumed_samples(out_dir: Path, settings: dict) -> list:
+    """The samples of the batches measured so far in the workloads that had not ended (`IN_PROGRESS`)."""
+    from .runner import Sample
+
+    saved = _saved(out_dir / IN_PROGRESS, settings)
+    return [Sample.from_dict(data) for data in saved["samples"]] if saved else []
+
+
+def save_in_progress(out_dir: Path, settings: dict, samples: list) -> None:
+    """Write the samples of the workloads that have not ended, or remove the file when there are none."""
+    path = out_dir / IN_PROGRESS
+    if not samples:
+        path.unlink(missing_ok=True)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {
+        "settings": {key: settings.get(key) for key in RESUME_KEYS},
+        "samples": [s.to_dict() for s in samples],
+    }
+    path.write_text(json.dumps(data, default=str))
 
 
 def _reexec_with_cpu_env(args: argparse.Namespace) -> None:
@@ -186,14 +217,22 @@ def run_bench_command(args: argparse.Namespace) -> int:
     settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})
     rows = resumed_rows(args.out, settings) if args.resume else []
     done = {row["workload"] for row in rows}
+    in_progress = resumed_samples(args.out, settings) if args.resume else []
 
     def report(complete: bool) -> tuple[Path, Path]:
         wall = round(time.perf_counter() - started, 1)
         return write_report(rows, args.out, {**settings, "wall_seconds": wall, "complete": complete})
 
-    def save(workload, samples) -> None:  # after every workload, so an interrupted run keeps what it measured
+    # An interrupted run keeps what it measured: the batches of the workload it was in, and every ended workload.
+    def save_batch(workload, samples) -> None:
+        in_progress.extend(samples)
+        save_in_progress(args.out, settings, in_progress)
+
+    def save_workload(workload, samples) -> None:
         rows.extend(summarize(samples, [workload], tokenizer))
         report(complete=False)
+        in_progress[:] = [s for s in in_progress if s.workload != workload.name]
+        save_in_progress(args.out, settings, in_progress)
 
     run_bench(
         model,
@@ -202,7 +241,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         repeats=args.repeats,
         progress=not args.no_progress,
-        on_workload=save,
+        on_workload=save_workload,
+        on_batch=save_batch,
+        measured=in_progress,
     )
     json_path, md_path = report(complete=True)
     figures = plot_all(json.loads(json_path.read_text())["rows"], args.out)

@@ -3,13 +3,17 @@
 Each repeat runs all methods on the same batch, in an order rotated by one each time, so slow drifts of a shared
 machine (other jobs, heat) fall on every method alike; the report takes medians over repeats. Every run also
 times its own prefill (its first forward pass), so decode throughput can be told apart from prefill.
+
+A batch is the unit of work that is kept: `on_batch` hands over each batch's samples as it ends (`Sample.to_dict`
+makes them JSON), and `measured` gives back such samples, whose batches are then not run again. So a run of many
+hours can stop and go on later, losing at most the batch it was in.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from statistics import median
 
 import torch
@@ -41,6 +45,21 @@ class Sample:
     @property
     def median_seconds(self) -> float:
         return median(self.seconds) if self.seconds else float("nan")
+
+    def to_dict(self) -> dict:
+        """Everything measured, as JSON-ready values."""
+        return asdict(self)  # the method and the stats become dicts too
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Sample:
+        stats = data.get("stats")
+        return cls(
+            **{
+                **data,
+                "method": Method(**data["method"]),
+                "stats": VeriCacheStats(**stats) if stats is not None else None,
+            }
+        )
 
 
 class FirstForwardTimer:
@@ -99,9 +118,15 @@ def run_bench(
     eos_token_ids: set[int] | None = None,
     progress: bool = True,
     on_workload: Callable[[Workload, list[Sample]], None] | None = None,
+    on_batch: Callable[[Workload, list[Sample]], None] | None = None,
+    measured: Iterable[Sample] = (),
 ) -> list[Sample]:
-    """Every method on every batch of every workload, `repeats` times each, interleaved. `on_workload(workload,
-    its samples)` is called as each workload ends, so a long run can save what it has."""
+    """Every method on every batch of every workload, `repeats` times each, interleaved.
+
+    `on_batch(workload, samples)` is called as each batch ends, with the samples of that batch, and
+    `on_workload(workload, samples)` as each workload ends, with all of its samples, so a long run can save what it
+    has. A batch with a sample of every method in `measured` (same workload name and batch index) is not run
+    again: those samples are used."""
     if not methods or methods[0].family != "full":
         raise ValueError(
             "methods must start with the full-cache method (Method('full')): it is the reference."
@@ -109,7 +134,13 @@ def run_bench(
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be positive, got {repeats} and {max_new_tokens}.")
     eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
-    runs = sum(repeats * sum(m.supports(w.batch_size) for m in methods) * len(w.batches) for w in workloads)
+    kept = _measured_batches(measured, methods)
+    runs = sum(
+        repeats * sum(m.supports(w.batch_size) for m in methods)
+        for w in workloads
+        for index in range(len(w.batches))
+        if (w.name, index) not in kept
+    )
     bar = tqdm(
         total=runs,
         desc="bench",
@@ -120,6 +151,9 @@ def run_bench(
     for workload in workloads:
         start = len(samples)
         for index, batch in enumerate(workload.batches):
+            if (workload.name, index) in kept:
+                samples.extend(kept[workload.name, index])
+                continue
             group = [Sample(m, workload.name, index, batch.batch_size) for m in methods]
             for sample in group:
                 if not sample.method.supports(batch.batch_size):
@@ -133,10 +167,26 @@ def run_bench(
                     _run_once(model, sample.method, batch, sample, max_new_tokens, eos, first=repeat == 0)
                     bar.update()
             samples.extend(group)
+            if on_batch is not None:
+                on_batch(workload, group)
         if on_workload is not None:
             on_workload(workload, samples[start:])
     bar.close()
     return samples
+
+
+def _measured_batches(
+    measured: Iterable[Sample], methods: list[Method]
+) -> dict[tuple[str, int], list[Sample]]:
+    """The batches of `measured` that have a sample of every method, each in the order of `methods`."""
+    by_batch: dict[tuple[str, int], dict[Method, Sample]] = {}
+    for sample in measured:
+        by_batch.setdefault((sample.workload, sample.batch_index), {})[sample.method] = sample
+    return {
+        key: [group[m] for m in methods]
+        for key, group in by_batch.items()
+        if all(m in group for m in methods)
+    }
 
 
 def _eos_ids(model) -> set[int]:
