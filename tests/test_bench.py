@@ -15,7 +15,7 @@ from vericache_hf.bench import Method, PromptBatch, Workload, build_methods, bui
 from vericache_hf.bench.command import QUICK, apply_quick
 from vericache_hf.bench.plots import plot_all
 from vericache_hf.bench.quality import extract_code, parses, passes_humaneval, trim
-from vericache_hf.bench.report import markdown_table, summarize, write_report
+from vericache_hf.bench.report import markdown_table, overview_table, summarize, write_report
 from vericache_hf.cli import build_parser
 from vericache_hf.prompts import humaneval_problems
 
@@ -75,6 +75,7 @@ def test_identical_share_counts_a_differing_row(bench_rows):
         rows = summarize(samples, workloads)
         row = next(r for r in rows if r["family"] == "vericache" and r["batch_size"] == 2)
         assert row["identical_share"] == 0.5
+        assert "DIFFERS [50%]" in overview_table(rows)  # the overview cannot hide a lossless method's drift
     finally:
         vericache.rows[1] = vericache.rows[1][:-1] + [vericache.rows[1][-1] - 1]
 
@@ -86,6 +87,10 @@ def test_report_and_plots_are_written(bench_rows, tmp_path):
     assert data["settings"]["repeats"] == 2 and len(data["rows"]) == len(rows)
     table = md_path.read_text()
     assert "VeriCache snapkv@0.75" in table and "n/a" in table
+    overview = overview_table(rows).splitlines()  # a line per method, a column per workload
+    assert len(overview) == 2 + len({r["method"] for r in rows})
+    assert overview[0].count("|") == 2 + len({r["workload"] for r in rows})
+    assert not any("DIFFERS" in line for line in overview) and overview[0] in table
     for figure in plot_all(data["rows"], tmp_path):
         assert figure.stat().st_size > 5_000
     full = next(r for r in rows if r["family"] == "full")

@@ -186,7 +186,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     from .methods import build_methods
     from .plots import plot_all
-    from .report import markdown_table, summarize, time_table, write_report
+    from .report import OVERVIEW_KEY, markdown_table, overview_table, summarize, time_table, write_report
     from .runner import run_bench
     from .workloads import build_workloads
 
@@ -247,7 +247,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     )
     json_path, md_path = report(complete=True)
     figures = plot_all(json.loads(json_path.read_text())["rows"], args.out)
-    print("\n" + markdown_table(rows) + "\n\nWhere VeriCache's time goes:\n\n" + time_table(rows))
+    print(f"\n{overview_table(rows)}\n\n{OVERVIEW_KEY}\n\n{markdown_table(rows)}")
+    print("\nWhere VeriCache's time goes:\n\n" + time_table(rows))
     print(f"\nWrote {json_path}, {md_path} and {', '.join(str(f) for f in figures)}.")
     lossless_ok = all(r.get("identical_share", 1.0) == 1.0 for r in rows if r["lossless"] and "na" not in r)
     if not lossless_ok:
