@@ -290,6 +290,7 @@ def test_extract_code_drops_what_the_token_limit_cut():
 
 @pytest.mark.slow
 def test_bench_command_on_the_embedded_model(tmp_path):
+    import vericache_hf
     from vericache_hf.cli import main
 
     argv = ["bench", "--kinds", "code", "--contexts", "512", "--batch-sizes", "1", "--num-prompts", "1"]
@@ -299,6 +300,7 @@ def test_bench_command_on_the_embedded_model(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     vericache = next(r for r in rows if r["family"] == "vericache")
     assert vericache["identical_share"] == 1.0 and vericache["parse_share"] is not None
+    assert all(r["code_version"].startswith(vericache_hf.__version__) for r in rows)  # which code measured it
     assert markdown_table(rows).count("\n") == len(rows) + 1
     assert (tmp_path / "throughput_vs_ratio.png").is_file()
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["complete"] is True

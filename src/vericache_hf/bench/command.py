@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -154,6 +155,23 @@ def save_in_progress(out_dir: Path, settings: dict, samples: list) -> None:
     path.write_text(json.dumps(data, default=str))
 
 
+def code_version() -> str:
+    """The package version, and the git commit when run from a checkout (`+dirty` with uncommitted changes)."""
+    from .. import __version__
+
+    root = Path(__file__).resolve().parents[3]  # the checkout, for an editable install
+    if not (root / "src" / "vericache_hf").is_dir():
+        return __version__  # installed from a wheel: no checkout to ask
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty", "--exclude=*"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return __version__
+    return f"{__version__} ({commit})" if commit else __version__
+
+
 def _reexec_with_cpu_env(args: argparse.Namespace) -> None:
     missing = {k: v for k, v in CPU_ENV.items() if os.environ.get(k) is None}
     if args.no_reexec or not missing or os.environ.get("VERICACHE_BENCH_REEXEC"):
@@ -229,7 +247,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         save_in_progress(args.out, settings, in_progress)
 
     def save_workload(workload, samples) -> None:
-        rows.extend(summarize(samples, [workload], tokenizer))
+        # A resumed run may span code changes: each workload's rows say which code measured them.
+        rows.extend(
+            {**row, "code_version": code_version()} for row in summarize(samples, [workload], tokenizer)
+        )
         report(complete=False)
         in_progress[:] = [s for s in in_progress if s.workload != workload.name]
         save_in_progress(args.out, settings, in_progress)
