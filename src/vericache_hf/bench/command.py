@@ -236,6 +236,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     rows = resumed_rows(args.out, settings) if args.resume else []
     done = {row["workload"] for row in rows}
     in_progress = resumed_samples(args.out, settings) if args.resume else []
+    version = code_version()  # the code this process runs, whatever happens to the checkout meanwhile
 
     def report(complete: bool) -> tuple[Path, Path]:
         wall = round(time.perf_counter() - started, 1)
@@ -248,9 +249,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     def save_workload(workload, samples) -> None:
         # A resumed run may span code changes: each workload's rows say which code measured them.
-        rows.extend(
-            {**row, "code_version": code_version()} for row in summarize(samples, [workload], tokenizer)
-        )
+        rows.extend({**row, "code_version": version} for row in summarize(samples, [workload], tokenizer))
         report(complete=False)
         in_progress[:] = [s for s in in_progress if s.workload != workload.name]
         save_in_progress(args.out, settings, in_progress)
