@@ -7,6 +7,7 @@ import string
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Cache,
     PreTrainedTokenizerFast,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -22,9 +24,10 @@ from transformers import (
 )
 
 from vericache_hf import VeriCacheConfig
+from vericache_hf.lossy import compressed_only_generate
 from vericache_hf.registration import set_default_mode
 
-from .conftest import VOCAB, random_prompt, tiny_model
+from .conftest import VOCAB, random_prompt, tiny_model, vericache_dict
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_DRAFTS = VeriCacheConfig(
@@ -141,6 +144,25 @@ def test_processors_scores_and_logits_match_stock(model):
         for step in range(emitted):
             torch.testing.assert_close(ours.scores[step][row], stock.scores[step][row], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ours.logits[step][row], stock.logits[step][row], rtol=1e-5, atol=1e-5)
+
+
+def test_no_deprecated_cache_keyword_and_the_cache_where_stock_puts_it(llama):
+    """transformers 5.24 renamed the cache keyword of `forward` (`past_key_values` -> `cache`, the old name goes in
+    5.40). Our passes must use the installed release's name, and the dict output must hold the cache under the same
+    key as stock's."""
+    ids = random_prompt(40)
+    stock = llama.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = vericache_dict(llama, ids, max_new_tokens=12)
+        compressed_only_generate(llama, ids, "streaming_llm", 12, compression_ratio=0.5)
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert torch.equal(ours.sequences, stock.sequences)
+
+    def cache_keys(output):
+        return [key for key, value in output.items() if isinstance(value, Cache)]
+
+    assert cache_keys(ours) == cache_keys(stock) != []
 
 
 def test_streamers_receive_the_accepted_tokens(llama, capsys):

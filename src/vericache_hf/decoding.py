@@ -15,6 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache.vericache import VeriCache
+from .compat import CACHE_OUTPUT_FIELD
 from .compressors import CompressionContext, build_compressor
 from .config import VeriCacheConfig
 from .draft_length import DraftLengthSchedule
@@ -120,8 +121,8 @@ def _outputs(seqs: Sequences, generation_config: GenerationConfig, cache: VeriCa
         sequences=sequences,
         scores=_stack_steps(seqs.scores) if generation_config.output_scores else None,
         logits=_stack_steps(seqs.raw_logits) if generation_config.output_logits else None,
-        past_key_values=cache,
         vericache_stats=stats,
+        **{CACHE_OUTPUT_FIELD: cache},
     )
 
 

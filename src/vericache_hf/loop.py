@@ -17,6 +17,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .cache.attention import streamed_verify
 from .cache.vericache import VeriCache
+from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule
 from .verify import choose, greedy_accept, speculative_accept
 
@@ -86,7 +87,7 @@ def forward(model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tens
     inputs = dict(
         input_ids=tokens,
         position_ids=position_ids,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
         logits_to_keep=query,
     )
@@ -125,7 +126,7 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
         logits_to_keep=1,
     )

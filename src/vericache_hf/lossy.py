@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache.draft_tier import DraftStore
+from .compat import cache_kwargs
 from .compressors import CompressionContext, Compressor, build_compressor
 
 __all__ = ["LossyCache", "compressed_only_generate", "first_divergence"]
@@ -106,7 +107,7 @@ def compressed_only_generate(
             input_ids=input_ids,
             attention_mask=valid.long(),
             position_ids=positions,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits
@@ -119,7 +120,7 @@ def compressed_only_generate(
             input_ids=token[:, None],
             position_ids=next_position[:, None],
             attention_mask=cache.attention_mask(1),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
         ).logits
         token = logits[:, -1].argmax(dim=-1)
