@@ -121,6 +121,23 @@ def test_build_methods_puts_the_reference_first():
         build_methods(["snapkv"], [0.75], peers=["medusa"])
 
 
+def test_draft_schedules_run_side_by_side_each_lossless(llama, tmp_path):
+    methods = build_methods(["streaming_llm"], [0.5], peers=False, draft_schedules=["adaptive", "cost_aware"])
+    assert [m.name for m in methods if m.family == "vericache"] == [
+        "VeriCache streaming_llm@0.5 [adaptive]",
+        "VeriCache streaming_llm@0.5 [cost_aware]",
+    ]
+    workloads = [synthetic_workload(2, pad=5)]
+    samples = run_bench(llama, workloads, methods, max_new_tokens=16, repeats=1, progress=False)
+    rows = summarize(samples, workloads)
+    vericache = [r for r in rows if r["family"] == "vericache"]
+    assert [r["draft_schedule"] for r in vericache] == ["adaptive", "cost_aware"]
+    assert [r["identical_share"] for r in vericache] == [1.0, 1.0]
+    assert len(plot_all(rows, tmp_path)) == 3
+    with pytest.raises(ValueError, match="draft schedule"):
+        build_methods(["snapkv"], [0.75], draft_schedules=["sometimes"])
+
+
 def test_each_workload_is_handed_over_with_its_own_samples_as_it_ends(llama):
     workloads = [synthetic_workload(1), synthetic_workload(2)]
     handed = []

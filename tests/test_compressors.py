@@ -163,7 +163,7 @@ def test_refresh_with_a_query_aware_compressor_is_refused(llama):
 
 def test_refresh_policy_triggers_and_rejects():
     policy = RefreshPolicy(min_accepted=2.0, window_rounds=2)
-    assert not policy.due(3, 1.0) and policy.due(3, 1.0)
+    assert not policy.due(3, 1.0) and not policy.due(1, None) and policy.due(3, 1.0)  # None: drafted nothing
     with pytest.raises(ValueError, match="every_tokens, min_accepted"):
         RefreshPolicy()
     with pytest.raises(ValueError, match="cannot be refreshed"):

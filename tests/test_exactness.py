@@ -27,7 +27,7 @@ def vericache(model, ids, config: VeriCacheConfig, **kwargs):
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)
-@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive", "cost_aware"])
 def test_every_compressor_and_ratio_matches_stock(model, compressor, schedule):
     ids = random_prompt(60, seed=1)
     expected = stock(model, ids, max_new_tokens=40)
@@ -43,7 +43,7 @@ def test_every_compressor_and_ratio_matches_stock(model, compressor, schedule):
     compressor=st.sampled_from(COMPRESSORS),
     ratio_index=st.integers(0, 2),
     draft_length=st.integers(1, 20),
-    schedule=st.sampled_from(["fixed", "adaptive"]),
+    schedule=st.sampled_from(["fixed", "adaptive", "cost_aware"]),
     seed=st.integers(0, 10_000),
 )
 def test_random_settings_match_stock(

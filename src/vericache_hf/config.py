@@ -7,7 +7,7 @@ from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
 
-DRAFT_SCHEDULES = ("adaptive", "fixed")
+DRAFT_SCHEDULES = ("cost_aware", "adaptive", "fixed")
 
 
 @dataclass
@@ -23,10 +23,13 @@ class VeriCacheConfig:
         compression_budget: tokens kept per layer by a token-dropping compressor given by name (or a press),
             instead of the ratio. None uses the ratio.
         compressor_kwargs: extra arguments for a compressor given by name (e.g. `{"bits": 2}` for `"kivi"`).
-        draft_length: tokens drafted per round. With the adaptive schedule it is the starting length.
-        draft_schedule: `"adaptive"` (lengthens the draft while rounds are fully accepted, shortens it after early
-            rejections) or `"fixed"`.
-        min_draft_length / max_draft_length: bounds of the adaptive schedule.
+        draft_length: tokens drafted in the first round; with the fixed schedule, in every round.
+        draft_schedule: how the draft length changes from round to round (never the output, only the speed).
+            `"cost_aware"` times draft steps and verify passes as it goes and drafts the length with the most
+            expected tokens per second, which is 0 (a plain full-cache step) when drafting does not pay, as on a
+            CPU at short context with early rejections. `"adaptive"` doubles the draft while rounds are fully
+            accepted and shortens it after early rejections. `"fixed"` keeps `draft_length`.
+        min_draft_length / max_draft_length: bounds of the changing schedules (cost_aware may also choose 0).
         chunk_tokens: tokens per host chunk of the full tier, which is also the unit streamed to the device for
             verification (bigger chunks mean fewer, larger copies; device memory for the full tier grows with it).
         staging_buffers: chunks of the full tier that may be on the device at once (2: one copies while one is
@@ -84,12 +87,12 @@ class VeriCacheConfig:
                 f"min_draft_length ({self.min_draft_length}) must not exceed max_draft_length "
                 f"({self.max_draft_length})."
             )
-        if self.draft_schedule == "adaptive" and not (
+        if self.draft_schedule != "fixed" and not (
             self.min_draft_length <= self.draft_length <= self.max_draft_length
         ):
             raise ValueError(
                 f"draft_length ({self.draft_length}) must lie within [min_draft_length, max_draft_length] = "
-                f"[{self.min_draft_length}, {self.max_draft_length}] for the adaptive schedule."
+                f"[{self.min_draft_length}, {self.max_draft_length}] for the {self.draft_schedule} schedule."
             )
 
     @classmethod

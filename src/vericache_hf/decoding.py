@@ -18,7 +18,7 @@ from .cache.vericache import VeriCache
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import CompressionContext, build_compressor
 from .config import VeriCacheConfig
-from .draft_length import DraftLengthSchedule
+from .draft_length import draft_length_schedule
 from .loop import DecodeIO, Sequences, decode
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model
@@ -104,7 +104,7 @@ def generate(
             model_kwargs.get("attention_mask"),
             model_kwargs.get("position_ids"),
             io,
-            DraftLengthSchedule(config),
+            draft_length_schedule(config),
         )
     if streamer is not None:
         streamer.end()

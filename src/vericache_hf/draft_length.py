@@ -1,4 +1,10 @@
-"""How many tokens to draft next round: fixed, or adapted to how far recent drafts ran."""
+"""How many tokens to draft next round: fixed, adapted to how far recent drafts ran, or chosen for the most tokens
+per second from the measured cost of a draft step and of a verify pass.
+
+Every schedule has `current` (the next round's draft length, 0 = no draft: the round is one plain full-cache step
+through the verify pass) and `observe(...)`, called after each round. The length never changes the output, only
+the speed: every round is verified against the full cache.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,138 @@ from .config import VeriCacheConfig
 
 
 class DraftLengthSchedule:
-    """Adaptive: double the draft while rounds are fully accepted; after a rejection, aim a little past the accepted
-    run (1.5x + 1). A same-model draft often runs tens of tokens, so the schedule climbs there in a few rounds."""
+    """The interface every schedule has, and the fixed schedule: the same length every round."""
 
     def __init__(self, config: VeriCacheConfig) -> None:
-        self.adaptive = config.draft_schedule == "adaptive"
-        self.low, self.high = config.min_draft_length, config.max_draft_length
         self.current = config.draft_length
 
-    def update(self, drafted: int, mean_accepted: float) -> None:
-        if not self.adaptive or drafted < self.current:
-            return  # a draft cut short by the length budget says nothing about acceptance
+    def observe(self, drafted: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
+class AcceptanceDraftLength(DraftLengthSchedule):
+    """Double the draft while rounds are fully accepted; after a rejection, aim a little past the accepted run
+    (1.5x + 1). A same-model draft often runs tens of tokens, so the schedule climbs there in a few rounds."""
+
+    def __init__(self, config: VeriCacheConfig) -> None:
+        super().__init__(config)
+        self.low, self.high = config.min_draft_length, config.max_draft_length
+
+    def observe(self, drafted: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+        if drafted < self.current or not accepted:
+            return  # a draft cut short by the length budget says nothing about how far drafts run
+        mean_accepted = sum(accepted) / len(accepted)
         proposal = 2 * drafted if mean_accepted >= drafted else math.ceil(1.5 * mean_accepted) + 1
         self.current = min(self.high, max(self.low, proposal))
+
+
+class CostAwareDraftLength(DraftLengthSchedule):
+    """Pick the length k in {0, min..max} that maximises expected tokens per second,
+
+        E[tokens | k] / (k * draft_step_seconds + verify_seconds(k + 1)),
+
+    where each drafted token is accepted with probability `alpha` (estimated from recent rounds, so
+    E = 1 + alpha + ... + alpha^k, the bonus token included), a draft step's time is a running mean, and a verify
+    pass's time is a running linear fit in the tokens it checks. k = 0 wins when drafts are rejected early and a
+    draft step costs nearly as much as a full-cache step (a CPU at short context); then a plain step is the fastest
+    lossless choice. While k = 0, a short probe draft now and then re-measures acceptance, at growing intervals
+    while probes keep failing. On an accelerator the verify pass also pays for streaming the full tier, which the fit
+    sees, so long drafts win there, as they should.
+    """
+
+    ACCEPTANCE_DECAY = 0.8  # per drafted round: acceptance follows the text, which changes
+    COST_DECAY = 0.95  # per round: costs change slowly (the context grows)
+    FIRST_PROBE_AFTER = 16  # plain rounds before the first probe; doubles after each failed probe
+    LAST_PROBE_AFTER = 1024
+    PROBE_LENGTH = 4
+
+    def __init__(self, config: VeriCacheConfig) -> None:
+        super().__init__(config)
+        self.low, self.high = config.min_draft_length, config.max_draft_length
+        self.accepted, self.rejections = 3.0, 1.0  # a weak prior: alpha = 0.75
+        self.draft_step = RunningMean(self.COST_DECAY)
+        self.verify = RunningLinearFit(self.COST_DECAY)
+        self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+
+    @property
+    def alpha(self) -> float:
+        return min(0.999, self.accepted / (self.accepted + self.rejections))
+
+    def observe(self, drafted: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+        self.verify.add(drafted + 1, verify_seconds)
+        if drafted and accepted:
+            self.draft_step.add(draft_seconds / drafted)
+            # a row that took all k drafts was not rejected: it says alpha is high, not how high
+            self.accepted = self.ACCEPTANCE_DECAY * self.accepted + sum(accepted)
+            self.rejections = self.ACCEPTANCE_DECAY * self.rejections + sum(n < drafted for n in accepted)
+        self.current = self._next(drafted)
+
+    def _next(self, drafted: int) -> int:
+        best = max([0, *range(self.low, self.high + 1)], key=self.tokens_per_second)
+        if best:
+            self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+            return best
+        if drafted:  # the drafted round just seen did not pay; if it was a probe, wait longer for the next
+            if self.probing:
+                self.probe_after = min(2 * self.probe_after, self.LAST_PROBE_AFTER)
+            self.plain_rounds = 0
+        self.probing = False
+        self.plain_rounds += 1
+        if self.plain_rounds > self.probe_after:
+            self.probing = True
+            return min(self.high, max(self.low, self.PROBE_LENGTH))
+        return 0
+
+    def tokens_per_second(self, k: int) -> float:
+        """Expected tokens per row and second for a round that drafts k."""
+        expected = (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
+        seconds = k * self.draft_step.value + self.verify.predict(k + 1)
+        return expected / seconds if seconds > 0 else 0.0
+
+
+class RunningMean:
+    """A mean in which each older value weighs `decay` times less."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay, self.weight, self.total = decay, 0.0, 0.0
+
+    def add(self, value: float) -> None:
+        self.weight = self.decay * self.weight + 1
+        self.total = self.decay * self.total + value
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight if self.weight else 0.0
+
+
+class RunningLinearFit:
+    """Least squares of y = base + slope * x (slope >= 0), each older point weighing `decay` times less."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def predict(self, x: float) -> float:
+        if not self.n:
+            return 0.0
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        spread = self.sxx / self.n - mean_x**2
+        slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / spread) if spread > 1e-9 else 0.0
+        return max(0.1 * mean_y, mean_y + slope * (x - mean_x))  # no fit says a pass is nearly free
+
+
+SCHEDULES = {
+    "cost_aware": CostAwareDraftLength,
+    "adaptive": AcceptanceDraftLength,
+    "fixed": DraftLengthSchedule,
+}
+
+
+def draft_length_schedule(config: VeriCacheConfig) -> DraftLengthSchedule:
+    """The schedule `config.draft_schedule` names."""
+    return SCHEDULES[config.draft_schedule](config)

@@ -202,20 +202,27 @@ def decode(
 
         started = time.perf_counter()
         drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
-        stats.draft_seconds += time.perf_counter() - started
+        if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
+            torch.cuda.current_stream(drafts.device).synchronize()
+        draft_seconds = time.perf_counter() - started
         started = time.perf_counter()
         raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
-        stats.verify_seconds += time.perf_counter() - started
+        accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
+        verify_seconds = time.perf_counter() - started
+        stats.draft_seconds += draft_seconds
+        stats.verify_seconds += verify_seconds
 
-        accepted, tokens = accept(io, drafts, draft_probs, scores)
         for b in active:
             for step in range(accepted[b] + 1):
                 stats.emitted_tokens += 1
                 if emit(io, seqs, b, tokens[b, step], scores[b, step], raw[b, step]):
                     break
+        accepted_active = [accepted[b] for b in active]
         if k:
-            stats.record_round(k, [accepted[b] for b in active])
-            schedule.update(k, sum(accepted[b] for b in active) / len(active))
+            stats.record_round(k, accepted_active)
+        else:
+            stats.plain_rounds += 1
+        schedule.observe(k, accepted_active, draft_seconds, verify_seconds)
         if not any(seqs.unfinished):
             break
         counts = torch.tensor([accepted[b] + 1 if b in active else 0 for b in range(len(accepted))])
@@ -223,7 +230,8 @@ def decode(
         valid = torch.arange(width)[None, :] < counts[:, None]
         cache.commit(width, valid)
         if cache.refresh_policy is not None:
-            cache.refresh_policy.after_commit(cache, width, sum(accepted[b] for b in active) / len(active))
+            mean_accepted = sum(accepted_active) / len(active) if k else None  # a plain round says nothing
+            cache.refresh_policy.after_commit(cache, width, mean_accepted)
         index = (counts - 1).clamp(min=0).to(tokens.device)
         pending = tokens.gather(1, index[:, None])[:, 0]
         positions = positions + counts.to(positions.device)

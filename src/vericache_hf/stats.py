@@ -21,6 +21,7 @@ class VeriCacheStats:
     """
 
     rounds: int = 0
+    plain_rounds: int = 0  # rounds that drafted nothing: one full-cache step through the verify pass
     row_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

@@ -62,6 +62,13 @@ def add_bench_command(subparsers) -> None:
     parser.add_argument("--ratios", type=_floats, default=[0.75, 0.875], help="compression ratios")
     parser.add_argument("--draft-length", type=int, default=8, help="VeriCache's starting draft length")
     parser.add_argument(
+        "--draft-schedules",
+        type=_names,
+        default=None,
+        help="VeriCache once per draft-length schedule, side by side: cost_aware,adaptive,fixed "
+        "(default: VeriCacheConfig's default schedule only)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="interleaved timing repeats (medians are reported)"
     )
     parser.add_argument(
@@ -103,8 +110,8 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
 
 #: Settings that change what a workload's rows mean; a resumed run must share them with the saved one.
 RESUME_KEYS = (
-    "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "repeats", "peers",
-    "no_peers",
+    "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "draft_schedules",
+    "repeats", "peers", "no_peers",
 )  # fmt: skip
 
 
@@ -226,6 +233,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         args.ratios,
         peers=[] if args.no_peers else args.peers,
         draft_length=args.draft_length,
+        draft_schedules=args.draft_schedules,
     )
     settings = {
         key: (str(value) if isinstance(value, Path) else value)

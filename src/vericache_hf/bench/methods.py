@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import VeriCacheConfig
+from ..config import DRAFT_SCHEDULES, VeriCacheConfig
 from ..stats import VeriCacheStats
 from .workloads import PromptBatch
 
@@ -37,6 +37,7 @@ class Method:
     compressor: str | None = None
     compression_ratio: float | None = None
     draft_length: int = 8
+    draft_schedule: str | None = None  # None: VeriCacheConfig's default
     lookup_tokens: int = 10
     early_exit_layers: int = 8
 
@@ -52,7 +53,8 @@ class Method:
         if self.family == "lossy":
             return f"{self.compressor}@{self.compression_ratio:g} only (lossy)"
         if self.family == "vericache":
-            return f"VeriCache {self.compressor}@{self.compression_ratio:g}"
+            schedule = f" [{self.draft_schedule}]" if self.draft_schedule else ""
+            return f"VeriCache {self.compressor}@{self.compression_ratio:g}{schedule}"
         if self.family == "prompt_lookup":
             return f"HF prompt lookup ({self.lookup_tokens})"
         if self.family == "early_exit":
@@ -90,6 +92,7 @@ class Method:
                 compression_ratio=self.compression_ratio,
                 draft_length=self.draft_length,
                 stats=stats,
+                **({"draft_schedule": self.draft_schedule} if self.draft_schedule else {}),
             )
             out = model.generate(ids, generation_mode="vericache", vericache_config=config, **common)
             return Generation(out[:, prompt:], stats)
@@ -108,16 +111,22 @@ def build_methods(
     ratios: list[float],
     peers: bool | list[str] = True,
     draft_length: int = 8,
+    draft_schedules: list[str] | None = None,
 ) -> list[Method]:
-    """Full cache first (the reference), then compressed-only and VeriCache for each compressor and ratio, then
-    the HF peers (`True`: all of `PEERS`, or a list of their names)."""
+    """Full cache first (the reference), then compressed-only and VeriCache for each compressor and ratio (one
+    VeriCache per schedule in `draft_schedules`; None: the config's default), then the HF peers (`True`: all of
+    `PEERS`, or a list of their names)."""
     chosen = list(PEERS) if peers is True else list(peers or [])
     unknown = [name for name in chosen if name not in PEERS]
     if unknown:
         raise ValueError(f"Unknown peer method(s) {unknown}; choose from {PEERS}.")
+    bad = [name for name in draft_schedules or [] if name not in DRAFT_SCHEDULES]
+    if bad:
+        raise ValueError(f"Unknown draft schedule(s) {bad}; choose from {DRAFT_SCHEDULES}.")
     methods = [Method("full")]
     for compressor in compressors:
         for ratio in ratios:
             methods.append(Method("lossy", compressor, ratio))
-            methods.append(Method("vericache", compressor, ratio, draft_length=draft_length))
+            for schedule in draft_schedules or [None]:
+                methods.append(Method("vericache", compressor, ratio, draft_length, schedule))
     return methods + [Method(name) for name in chosen]

@@ -24,6 +24,7 @@ COLORS = {
     "prompt_lookup": "tab:green",
     "early_exit": "tab:purple",
 }
+SCHEDULE_STYLES = {"adaptive": "-.^", "fixed": ":v"}  # VeriCache curves, when schedules are compared
 
 
 def _ok(value: Any) -> bool:
@@ -43,17 +44,18 @@ def plot_throughput(rows: list[dict], path: Path, key: str = "decode_ratio") -> 
     fig, ax = plt.subplots(figsize=(6, 4))
     ratios = _mean_by(rows, key)
     ax.axhline(1.0, color=COLORS["full"], linestyle="--", label="full cache")
-    curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    curves: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
     for row in rows:
         if row["family"] in ("lossy", "vericache") and row["method"] in ratios:
             point = (row["compression_ratio"], ratios[row["method"]])
-            curves.setdefault((row["family"], row["compressor"]), [])
-            if point not in curves[(row["family"], row["compressor"])]:
-                curves[(row["family"], row["compressor"])].append(point)
-    for (family, compressor), points in sorted(curves.items()):
+            curve = curves.setdefault((row["family"], row["compressor"], row.get("draft_schedule") or ""), [])
+            if point not in curve:
+                curve.append(point)
+    for (family, compressor, schedule), points in sorted(curves.items()):
         points.sort()
         label = f"{compressor} only (lossy)" if family == "lossy" else f"VeriCache ({compressor})"
-        style = "--o" if family == "lossy" else "-s"
+        label += f" [{schedule}]" if schedule else ""
+        style = "--o" if family == "lossy" else SCHEDULE_STYLES.get(schedule, "-s")
         ax.plot(*zip(*points, strict=True), style, color=COLORS[family], label=label, alpha=0.85)
     return _finish(
         fig,

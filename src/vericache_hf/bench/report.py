@@ -81,6 +81,8 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
         "compression_ratio": method.compression_ratio,
         "lossless": method.lossless,
     }
+    if method.draft_schedule:
+        row["draft_schedule"] = method.draft_schedule
     if any(s.skipped for s in group):
         row["na"] = group[0].skipped
         for key in ("tokens_per_s", "decode_tokens_per_s", "identical_share"):
@@ -143,6 +145,7 @@ def _vericache_numbers(row: dict[str, Any], group: list[Sample]) -> None:
     drafted = sum(st.drafted_tokens for st in stats)
     row["acceptance_rate"] = sum(st.accepted_tokens for st in stats) / drafted if drafted else 0.0
     row["rounds"] = sum(st.rounds for st in stats)
+    row["plain_rounds"] = sum(st.plain_rounds for st in stats)  # rounds that drafted nothing
     row["draft_tier_bytes"] = max(st.draft_tier_bytes for st in stats)
     row["full_tier_bytes"] = max(st.full_tier_bytes for st in stats)
     # On the device: the draft tier plus the full tier's staging buffers (the full tier itself is on the host).
@@ -251,7 +254,7 @@ def time_table(rows: list[dict[str, Any]]) -> str:
     """Where VeriCache's time goes: prefill (compression shown apart), draft steps, verify passes, transfers."""
     lines = [
         "| workload | method | prefill s | of which compress s | draft s | verify s | transfer s (waited) | rounds "
-        "| MiB staged |",
+        "(plain) | MiB staged |",
         "|" + "---|" * 9,
     ]
     for r in rows:
@@ -261,7 +264,8 @@ def time_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['workload']} | {r['method']} | {r['prefill_seconds']:.2f} | {r['compress_seconds']:.2f} | "
             f"{r['draft_seconds']:.2f} | "
-            f"{r['verify_seconds']:.2f} | {transfer} | {r['rounds']} | {r['bytes_to_device'] / MIB:.0f} |"
+            f"{r['verify_seconds']:.2f} | {transfer} | {r['rounds']} ({r.get('plain_rounds', 0)}) | "
+            f"{r['bytes_to_device'] / MIB:.0f} |"
         )
     return "\n".join(lines)
 

@@ -77,10 +77,12 @@ class RefreshPolicy:
             raise ValueError(f"min_accepted must be a non-negative number, got {self.min_accepted!r}.")
         check_int("window_rounds", self.window_rounds)
 
-    def due(self, committed: int, mean_accepted: float) -> bool:
-        """Record a round (tokens committed, mean accepted drafts); True when a refresh is due."""
+    def due(self, committed: int, mean_accepted: float | None) -> bool:
+        """Record a round (tokens committed, mean accepted drafts, None for a round that drafted nothing); True
+        when a refresh is due."""
         self._since += committed
-        self._recent.append(mean_accepted)
+        if mean_accepted is not None:
+            self._recent.append(mean_accepted)
         while len(self._recent) > self.window_rounds:
             self._recent.popleft()
         if self.every_tokens is not None and self._since >= self.every_tokens:
@@ -92,7 +94,7 @@ class RefreshPolicy:
             and sum(self._recent) / len(self._recent) < self.min_accepted
         )
 
-    def after_commit(self, cache, committed: int, mean_accepted: float) -> bool:
+    def after_commit(self, cache, committed: int, mean_accepted: float | None) -> bool:
         """The loop's hook: call after `cache.commit`; refreshes when due. Returns whether it refreshed."""
         if not self.due(committed, mean_accepted):
             return False
