@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
+from vericache_hf import VeriCacheConfig
 from vericache_hf.bench import Method, PromptBatch, Workload, build_methods, build_workloads, run_bench
-from vericache_hf.bench.command import QUICK, apply_quick
+from vericache_hf.bench.command import QUICK, apply_quick, run_settings
 from vericache_hf.bench.plots import plot_all
 from vericache_hf.bench.quality import extract_code, parses, passes_humaneval, trim
 from vericache_hf.bench.report import markdown_table, overview_table, summarize, write_report
@@ -191,7 +192,7 @@ def test_resumed_samples_come_only_from_a_run_with_the_same_settings(tmp_path):
     from vericache_hf.bench.command import IN_PROGRESS, resumed_samples, save_in_progress
     from vericache_hf.bench.runner import Sample
 
-    settings = vars(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
+    settings = run_settings(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
     assert resumed_samples(tmp_path, settings) == []
     sample = Sample(Method("full"), "code-2k-b1", 3, 1, seconds=[1.5], rows=[[5, 6]], finished=[True])
     save_in_progress(tmp_path, settings, [sample])
@@ -205,7 +206,7 @@ def test_resumed_samples_come_only_from_a_run_with_the_same_settings(tmp_path):
 def test_resume_keeps_saved_rows_only_under_the_same_settings(tmp_path):
     from vericache_hf.bench.command import RESUME_KEYS, resumed_rows
 
-    settings = vars(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
+    settings = run_settings(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
     assert resumed_rows(tmp_path, settings) == []  # nothing saved yet
     saved_settings = {key: settings[key] for key in RESUME_KEYS}
     rows = [{"workload": "code-2048-b1", "method": "full cache"}]
@@ -213,6 +214,15 @@ def test_resume_keeps_saved_rows_only_under_the_same_settings(tmp_path):
     assert resumed_rows(tmp_path, settings) == rows
     with pytest.raises(SystemExit, match="max_new_tokens=128, this run asks for 64"):
         resumed_rows(tmp_path, {**settings, "max_new_tokens": 64})
+    # the default schedule is recorded as run: a file from before the option was made with "adaptive"
+    assert settings["draft_schedules"] == [VeriCacheConfig().draft_schedule]
+    del saved_settings["draft_schedules"]
+    (tmp_path / "results.json").write_text(json.dumps({"settings": saved_settings, "rows": rows}))
+    assert resumed_rows(tmp_path, {**settings, "draft_schedules": ["adaptive"]}) == rows
+    with pytest.raises(
+        SystemExit, match="draft_schedules=\\['adaptive'\\], this run asks for \\['cost_aware'\\]"
+    ):
+        resumed_rows(tmp_path, {**settings, "draft_schedules": ["cost_aware"]})
 
 
 def test_quick_flag_sets_the_quick_sizes():

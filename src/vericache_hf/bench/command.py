@@ -115,6 +115,20 @@ RESUME_KEYS = (
 )  # fmt: skip
 
 
+#: What files written before a key of RESUME_KEYS existed were made with.
+BEFORE_THE_KEY = {"draft_schedules": ["adaptive"]}
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """What a run records about itself, as JSON values. The draft schedules are recorded as run (the default
+    schedule when none is named), so that a change of `VeriCacheConfig`'s default is a change of settings."""
+    from ..config import VeriCacheConfig
+
+    settings = {key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items() if key != "run"}
+    settings["draft_schedules"] = args.draft_schedules or [VeriCacheConfig().draft_schedule]
+    return settings
+
+
 #: The samples of the workloads that have not ended yet, saved after every batch (removed once all have ended).
 IN_PROGRESS = "in_progress.json"
 
@@ -126,9 +140,10 @@ def _saved(path: Path, settings: dict) -> dict | None:
         return None
     saved = json.loads(path.read_text())
     for key in RESUME_KEYS:
-        if saved["settings"].get(key) != settings.get(key):
+        made_with = saved["settings"].get(key, BEFORE_THE_KEY.get(key))
+        if made_with != settings.get(key):
             raise SystemExit(
-                f"--resume: {path} was made with {key}={saved['settings'].get(key)!r}, this run asks for "
+                f"--resume: {path} was made with {key}={made_with!r}, this run asks for "
                 f"{settings.get(key)!r}. Run with the same settings, or choose another --out."
             )
     return saved
@@ -235,11 +250,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         draft_length=args.draft_length,
         draft_schedules=args.draft_schedules,
     )
-    settings = {
-        key: (str(value) if isinstance(value, Path) else value)
-        for key, value in vars(args).items()
-        if key != "run"
-    }
+    settings = run_settings(args)
     settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})
     rows = resumed_rows(args.out, settings) if args.resume else []
     done = {row["workload"] for row in rows}
