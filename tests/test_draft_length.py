@@ -36,6 +36,10 @@ def test_config_names_the_schedule():
     assert type(draft_length_schedule(VeriCacheConfig(draft_schedule="fixed"))) is DraftLengthSchedule
     assert type(draft_length_schedule(VeriCacheConfig(draft_schedule="adaptive"))) is AcceptanceDraftLength
     assert type(draft_length_schedule(VeriCacheConfig(draft_schedule="cost_aware"))) is CostAwareDraftLength
+    auto = VeriCacheConfig(draft_schedule="auto")
+    assert type(draft_length_schedule(auto)) is CostAwareDraftLength
+    # under sampling the length stays off the clock, so a seed repeats a run
+    assert type(draft_length_schedule(auto, sampling=True)) is AcceptanceDraftLength
 
 
 def test_cost_aware_drafts_long_when_drafts_are_cheap_and_accepted():

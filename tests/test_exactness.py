@@ -100,12 +100,14 @@ def test_stats_are_reported_and_accumulated(llama):
     total = vericache_hf.VeriCacheStats()
     config = VeriCacheConfig(compressor="snapkv", stats=total)
     out = vericache(llama, ids, config, max_new_tokens=30, return_dict_in_generate=True)
-    vericache(llama, ids, config, max_new_tokens=30)
+    again = vericache(llama, ids, config, max_new_tokens=30, return_dict_in_generate=True)
     stats = out.vericache_stats
     assert stats.rounds > 0 and stats.drafted_tokens >= stats.accepted_tokens
     assert stats.emitted_tokens == 30
     assert stats.chunk_transfers > 0 and stats.draft_tier_bytes < stats.full_tier_bytes
-    assert total.rounds == 2 * stats.rounds
+    # the default schedule follows the clock, so the two calls may split their 30 tokens into different rounds
+    for name in ("rounds", "plain_rounds", "drafted_tokens", "emitted_tokens"):
+        assert getattr(total, name) == getattr(stats, name) + getattr(again.vericache_stats, name), name
 
 
 def test_qwen3_with_query_norms_matches_stock():

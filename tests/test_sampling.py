@@ -118,3 +118,23 @@ def test_sampling_rows_stop_exactly_at_eos_and_length(small):
             assert all(token == 0 for token in row[stops[0] + 1 :]), row
         else:
             assert len(row) == 20 and 0 not in row, row
+
+
+def test_a_seeded_sampling_run_repeats_with_the_default_schedule(small):
+    # the default ("auto") keeps the draft length off the clock under sampling, so a seed fixes the output
+    ids = random_prompt(PROMPT, seed=13)
+    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.75)
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(21)
+        outputs.append(
+            small.generate(
+                ids,
+                max_new_tokens=40,
+                num_return_sequences=8,
+                generation_mode="vericache",
+                vericache_config=config,
+                **SAMPLING,
+            )
+        )
+    assert torch.equal(*outputs)

@@ -7,7 +7,7 @@ from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
 
-DRAFT_SCHEDULES = ("cost_aware", "adaptive", "fixed")
+DRAFT_SCHEDULES = ("auto", "cost_aware", "adaptive", "fixed")
 
 
 @dataclass
@@ -28,7 +28,9 @@ class VeriCacheConfig:
             `"cost_aware"` times draft steps and verify passes as it goes and drafts the length with the most
             expected tokens per second, which is 0 (a plain full-cache step) when drafting does not pay, as on a
             CPU at short context with early rejections. `"adaptive"` doubles the draft while rounds are fully
-            accepted and shortens it after early rejections. `"fixed"` keeps `draft_length`.
+            accepted and shortens it after early rejections. `"fixed"` keeps `draft_length`. `"auto"` is
+            cost_aware under greedy decoding and adaptive under sampling, where a length that follows the clock
+            would make a seeded run unrepeatable.
         min_draft_length / max_draft_length: bounds of the changing schedules (cost_aware may also choose 0).
         chunk_tokens: tokens per host chunk of the full tier, which is also the unit streamed to the device for
             verification (bigger chunks mean fewer, larger copies; device memory for the full tier grows with it).
@@ -50,7 +52,7 @@ class VeriCacheConfig:
     compression_budget: int | None = None
     compressor_kwargs: dict[str, Any] = field(default_factory=dict)
     draft_length: int = 8
-    draft_schedule: str = "adaptive"
+    draft_schedule: str = "auto"
     min_draft_length: int = 2
     max_draft_length: int = 64
     chunk_tokens: int = 2048

@@ -104,7 +104,7 @@ def generate(
             model_kwargs.get("attention_mask"),
             model_kwargs.get("position_ids"),
             io,
-            draft_length_schedule(config),
+            draft_length_schedule(config, sampling=io.do_sample),
         )
     if streamer is not None:
         streamer.end()

@@ -106,7 +106,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\n=== VeriCache output ===\n" + decode(veri))
     print(f"--> identical to full-cache output: {identical}")
     print(
-        f"\nAcceptance: {stats.rounds} rounds, {stats.mean_accepted_per_round:.1f} accepted drafts per round, "
+        f"\nAcceptance: {stats.rounds} drafted rounds (and {stats.plain_rounds} plain full-cache steps, where "
+        f"drafting did not pay), {stats.mean_accepted_per_round:.1f} accepted drafts per round, "
         f"acceptance rate {stats.acceptance_rate:.0%}; draft tier {stats.draft_tier_bytes / 2**20:.1f} MiB vs full "
         f"tier {stats.full_tier_bytes / 2**20:.1f} MiB; {stats.bytes_to_device / 2**20:.0f} MiB staged for verification."
     )

@@ -146,6 +146,11 @@ SCHEDULES = {
 }
 
 
-def draft_length_schedule(config: VeriCacheConfig) -> DraftLengthSchedule:
-    """The schedule `config.draft_schedule` names."""
-    return SCHEDULES[config.draft_schedule](config)
+def draft_length_schedule(config: VeriCacheConfig, sampling: bool = False) -> DraftLengthSchedule:
+    """The schedule `config.draft_schedule` names. `"auto"` is cost-aware under greedy decoding and adaptive under
+    sampling: there the draft length decides which random numbers are drawn, so a length that follows the clock
+    would make a seeded run unrepeatable (the output distribution would still be exact)."""
+    name = config.draft_schedule
+    if name == "auto":
+        name = "adaptive" if sampling else "cost_aware"
+    return SCHEDULES[name](config)
