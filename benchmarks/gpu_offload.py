@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from vericache_hf import VeriCache
+from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import build_compressor
 from vericache_hf.loop import forward
 
@@ -93,9 +94,9 @@ def step(model, cache, tokens, positions):
     out = model(
         input_ids=tokens,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **cache_kwargs(model, cache),
     )
     return out.logits[:, -1].argmax(dim=-1)
 
