@@ -15,6 +15,11 @@ CACHE_OUTPUT_FIELD = (
 )
 
 
+def passed_cache(model_kwargs: dict):
+    """The cache in `generate`'s model kwargs, under either name (None when there is none)."""
+    return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+
+
 def cache_kwargs(model, cache) -> dict:
     """`{name: cache}` under the keyword this model's `forward` takes its cache by."""
     return {_cache_keyword(type(model)): cache}

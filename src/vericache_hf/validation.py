@@ -7,6 +7,8 @@ from transformers import GenerationConfig
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 
+from .compat import passed_cache
+
 #: Decoder-only families whose attention applies RoPE before the cache update and uses full attention in every
 #: layer; these are tested for exactness against stock `generate`.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -79,8 +81,7 @@ def check_generation(
             "VeriCache does not return attentions or hidden states (its passes cover a draft tier and blocks of "
             "tokens); remove output_attentions / output_hidden_states, or drop generation_mode='vericache'."
         )
-    # transformers >= 5.24 names generate's cache kwarg `cache`; earlier releases `past_key_values`
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    cache = passed_cache(model_kwargs)
     if isinstance(cache, Cache) and (cache.get_seq_length() > 0 or type(cache).__name__ != "DynamicCache"):
         raise ValueError(
             f"VeriCache builds its own two-tier cache; a {type(cache).__name__} was passed in past_key_values. "
