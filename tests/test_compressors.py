@@ -21,6 +21,7 @@ from vericache_hf.compressors import (
     StreamingLLMCompressor,
     build_compressor,
 )
+from vericache_hf.compressors.base import CompressionContext
 from vericache_hf.compressors.quantized import require
 from vericache_hf.lossy import compressed_only_generate, first_divergence
 
@@ -168,6 +169,32 @@ def test_refresh_policy_triggers_and_rejects():
         RefreshPolicy()
     with pytest.raises(ValueError, match="cannot be refreshed"):
         check_refreshable(SnapKVCompressor(0.5))
+
+
+@pytest.mark.parametrize("factory", [lambda: KIVICompressor(bits=2, **SMALL), lambda: FP8Compressor(**SMALL)])
+def test_a_quantized_store_reads_each_group_as_its_codec_decodes_it(factory):
+    """Committed tokens read back as the codec's round trip of their whole group (quantized once, in place), the
+    residual exactly; the byte count is the quantized form plus the residual."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 1, 2, 45, 16, dtype=torch.float64)
+    compressor = factory()
+    codec = compressor.codec(16)
+    valid = torch.ones(1, 45, dtype=torch.bool)
+    store = compressor.compress(keys[:, :, :20], values[:, :, :20], CompressionContext(0, valid[:, :20]))
+    for start, end in ((20, 23), (23, 45)):  # groups fill across commits
+        store.commit(keys[:, :, start:end], values[:, :, start:end], valid[:, start:end])
+    read_keys, read_values = store.extend_draft(keys[:, :, :0], values[:, :, :0])
+    quantized = (45 - SMALL["residual_length"]) // SMALL["group_size"] * SMALL["group_size"]
+    expected_bytes = 0
+    for kind, exact, read in (("key", keys, read_keys), ("value", values, read_values)):
+        assert torch.equal(read[:, :, quantized:], exact[:, :, quantized:])
+        for start in range(0, quantized, SMALL["group_size"]):
+            group = slice(start, start + SMALL["group_size"])
+            block = codec.quantize(exact[:, :, group], kind)
+            assert torch.equal(read[:, :, group], codec.dequantize(block, exact)), (kind, start)
+            expected_bytes += codec.nbytes(block)
+        expected_bytes += exact[:, :, quantized:].numel() * exact.element_size()
+    assert store.nbytes() == expected_bytes
 
 
 def test_the_documented_custom_compressor_runs_losslessly():

@@ -4,6 +4,12 @@ A backend supplies only a `Codec` (quantize a (B, H, n, D) block of keys or valu
 does the rest, the same way for all backends: committed tokens wait in a full-precision residual (which also holds
 this round's drafted tokens) and are quantized a group at a time once more than `residual_length` are waiting.
 Drafted tokens are never quantized, so a rollback is exact.
+
+Attention here reads dequantized values (pure torch has no fused low-bit kernel), so a group is quantized once, when
+it leaves the residual, and its slots are overwritten in place with the dequantized values: one preallocated
+`TokenStore` holds [dequantized groups | residual | drafts], a draft step copies nothing, and no group is ever
+dequantized twice. What the model reads is exactly what the quantized form decodes to; `nbytes` reports the
+quantized form (codes and scales, plus the residual), which is what a fused low-bit kernel would read.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..cache.draft_tier import DraftStore, TokenStore
+from ..cache.draft_tier import DraftStore, TokenStore, tensor_bytes
 from ..checks import check_int, check_ratio
 from .base import CompressionContext, Compressor
 
@@ -62,69 +68,53 @@ def bits_for_ratio(name: str, compression_ratio: float, supported: tuple[int, ..
 
 
 class QuantizedStore(DraftStore):
-    """Quantized groups of committed tokens followed by a full-precision `TokenStore` residual."""
+    """Dequantized groups of committed tokens, then a full-precision residual, then drafts, in one `TokenStore`."""
 
     def __init__(self, codec: Codec, group_size: int, residual_length: int, keys, values, valid) -> None:
         self.codec, self.group, self.residual_length = codec, group_size, residual_length
-        self.residual = TokenStore(keys[:, :, :0], values[:, :, :0], valid[:, :0])
-        self.blocks: list[tuple[Any, Any]] = []
-        self.quantized_valid = valid[:, :0]
-        self.like = keys[:, :, :0]
-        self.dequantized: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.commit(keys, values, valid)
+        self.tokens = TokenStore(keys, values, valid)
+        self.quantized = 0  # slots [0, quantized) hold dequantized groups
+        self.quantized_bytes = 0  # codes and scales of those groups
+        self._quantize_ready()
 
     @property
     def num_drafted(self) -> int:
-        return self.residual.num_drafted
+        return self.tokens.num_drafted
 
     @property
     def num_committed(self) -> int:
-        return self.quantized_valid.shape[-1] + self.residual.length
+        return self.tokens.length
 
     @property
     def valid(self) -> torch.Tensor:
-        return torch.cat([self.quantized_valid, self.residual.valid], dim=-1)
-
-    def _old(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The quantized tokens, dequantized once per change of the quantized part (not once per draft step)."""
-        if self.dequantized is None:
-            keys = [self.codec.dequantize(k, self.like) for k, _ in self.blocks]
-            values = [self.codec.dequantize(v, self.like) for _, v in self.blocks]
-            self.dequantized = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
-        return self.dequantized
+        return self.tokens.valid
 
     def extend_draft(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        recent_keys, recent_values = self.residual.extend_draft(keys, values)
-        if not self.blocks:
-            return recent_keys, recent_values
-        old_keys, old_values = self._old()
-        return torch.cat([old_keys, recent_keys], dim=-2), torch.cat([old_values, recent_values], dim=-2)
+        return self.tokens.extend_draft(keys, values)
 
     def rollback_draft(self) -> None:
-        self.residual.rollback_draft()
+        self.tokens.rollback_draft()
 
     def commit(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
-        self.residual.commit(keys, values, valid)
-        ready = (self.residual.length - self.residual_length) // self.group * self.group
-        if ready <= 0:
-            return
-        old_keys = self.residual.keys[:, :, :ready]
-        old_values = self.residual.values[:, :, :ready]
-        for start in range(0, ready, self.group):
+        self.tokens.commit(keys, values, valid)
+        self._quantize_ready()
+
+    def _quantize_ready(self) -> None:
+        """Quantize every whole group that has left the residual, and put its dequantized values in its slots."""
+        store = self.tokens
+        waiting = store.length - self.quantized - self.residual_length
+        for start in range(self.quantized, self.quantized + waiting // self.group * self.group, self.group):
             part = slice(start, start + self.group)
-            self.blocks.append(
-                (
-                    self.codec.quantize(old_keys[:, :, part], "key"),
-                    self.codec.quantize(old_values[:, :, part], "value"),
-                )
-            )
-        self.quantized_valid = torch.cat([self.quantized_valid, self.residual.valid[:, :ready]], dim=-1)
-        self.residual.drop_slots(0, ready)
-        self.dequantized = None
+            for kind, slots in (("key", store.keys), ("value", store.values)):
+                block = self.codec.quantize(slots[:, :, part], kind)
+                self.quantized_bytes += self.codec.nbytes(block)
+                slots[:, :, part] = self.codec.dequantize(block, slots)
+            self.quantized = start + self.group
 
     def nbytes(self) -> int:
-        quantized = sum(self.codec.nbytes(k) + self.codec.nbytes(v) for k, v in self.blocks)
-        return quantized + self.residual.nbytes()
+        store = self.tokens
+        residual = slice(self.quantized, store.length)
+        return self.quantized_bytes + tensor_bytes(store.keys[:, :, residual], store.values[:, :, residual])
 
 
 @dataclass
