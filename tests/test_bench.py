@@ -66,6 +66,11 @@ def test_lossless_methods_match_full_cache_and_peers_are_batch_one(bench_rows):
     assert by[("qa-70-b1", "early_exit")]["identical_share"] == 1.0
     assert "batch-1 only" in by[("qa-70-b2", "early_exit")]["na"]
     assert all(len(s.seconds) == 2 for s in samples if not s.skipped)  # interleaved repeats all ran
+    # Each run's peak resident memory, the process's whole footprint (this test machine runs Linux).
+    assert all(len(s.peak_rss_bytes) == 2 and min(s.peak_rss_bytes) > 2**20 for s in samples if not s.skipped)
+    for row in (r for r in rows if "na" not in r):
+        runs = [s for s in samples if (s.workload, s.method.name) == (row["workload"], row["method"])]
+        assert row["peak_rss_bytes"] == max(b for s in runs for b in s.peak_rss_bytes)
 
 
 def test_identical_share_counts_a_differing_row(bench_rows):
@@ -155,7 +160,7 @@ def test_each_workload_is_handed_over_with_its_own_samples_as_it_ends(llama):
     assert [s.workload for s in samples] == [w.name for w in workloads]
 
 
-def test_a_cut_short_workload_goes_on_from_its_saved_batches(llama):
+def test_a_cut_short_workload_goes_on_from_its_saved_repeats(llama):
     from vericache_hf.bench.runner import Sample
 
     two_batches = synthetic_workload(1)
@@ -163,29 +168,67 @@ def test_a_cut_short_workload_goes_on_from_its_saved_batches(llama):
         PromptBatch(random_prompt(60, seed=7), torch.ones(1, 60, dtype=torch.long), [None])
     )
     methods = [Method("full"), Method("vericache", "snapkv", 0.75)]
-    saved = []
+    saved = []  # what a run would have on disk after each repeat
     first = run_bench(
         llama,
         [two_batches],
         methods,
         max_new_tokens=6,
-        repeats=1,
+        repeats=2,
         progress=False,
-        on_batch=lambda workload, group: saved.extend(json.loads(json.dumps(s.to_dict())) for s in group),
+        on_repeat=lambda workload, group: saved.append([json.loads(json.dumps(s.to_dict())) for s in group]),
     )
-    assert [(d["batch_index"], d["method"]["family"]) for d in saved] == [
-        (0, "full"), (0, "vericache"), (1, "full"), (1, "vericache")
+    assert [(g[0]["batch_index"], [len(d["seconds"]) for d in g]) for g in saved] == [
+        (0, [1, 1]), (0, [2, 2]), (1, [1, 1]), (1, [2, 2])
     ]  # fmt: skip
-    # As if the run had stopped inside batch 1: batch 0 is kept as saved, batch 1 (one method short) runs again.
-    kept = [Sample.from_dict(d) for d in saved[:3]]
+    # As if the run had stopped inside batch 1's second repeat: batch 0 is kept whole, batch 1 goes on from its
+    # first repeat, so each of its methods runs once more.
+    kept = [Sample.from_dict(d) for d in saved[1] + saved[2]]
+    batch_1_first_seconds = [s.seconds[0] for s in kept[2:]]
     again = run_bench(
-        llama, [two_batches], methods, max_new_tokens=6, repeats=1, progress=False, measured=kept
+        llama, [two_batches], methods, max_new_tokens=6, repeats=2, progress=False, measured=kept
     )
-    assert again[:2] == kept[:2] and again[2] is not kept[2]
+    assert all(a is k for a, k in zip(again, kept, strict=True))
+    assert [len(s.seconds) for s in again] == [2, 2, 2, 2]
+    assert [s.seconds[0] for s in again[2:]] == batch_1_first_seconds
     assert again[1].stats == first[1].stats and again[1].stats.rounds > 0
     assert [s.rows for s in again] == [s.rows for s in first]
     rows = summarize(again, [two_batches])
     assert [r["identical_share"] for r in rows] == [1.0, 1.0]
+    # A batch that is one method short (as written by older versions mid-batch) runs again from the start.
+    short = [Sample.from_dict(d) for d in saved[1] + saved[3][:1]]
+    third = run_bench(
+        llama, [two_batches], methods, max_new_tokens=6, repeats=2, progress=False, measured=short
+    )
+    assert third[2] is not short[2] and [len(s.seconds) for s in third] == [2, 2, 2, 2]
+
+
+def test_trimming_between_runs_returns_freed_heap_memory():
+    """Under the bench's malloc settings freed memory stays resident until `release_free_memory`, and
+    `PeakMemory` sees the peak a block reached even after the block freed it."""
+    import subprocess
+    import sys
+
+    from vericache_hf.bench.command import CPU_ENV
+
+    script = (
+        "import torch\n"
+        "from vericache_hf.bench.runner import PeakMemory, release_free_memory, resident_bytes\n"
+        "base = resident_bytes()\n"
+        "with PeakMemory() as peak:\n"
+        "    chunks = [torch.ones(2**18) for _ in range(300)]\n"  # 300 MiB in 1 MiB pieces, on the heap
+        "    kept = chunks[-1]\n"  # holds the top of the heap, as a live tensor of a later step would
+        "    del chunks\n"
+        "held = resident_bytes()\n"
+        "release_free_memory()\n"
+        "print(base, peak.bytes, held, resident_bytes())\n"
+    )
+    env = {**__import__("os").environ, **CPU_ENV}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    base, peak, held, trimmed = (int(v) / 2**20 for v in out.stdout.split())
+    assert peak - base > 250  # the block's 300 MiB were seen
+    assert held - base > 250  # freed, yet still resident: what piled up over a grid
+    assert held - trimmed > 250  # handed back
 
 
 def test_resumed_samples_come_only_from_a_run_with_the_same_settings(tmp_path):

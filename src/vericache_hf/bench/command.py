@@ -92,8 +92,8 @@ def add_bench_command(subparsers) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep what --out holds from a run with the same settings (ended workloads, and the batches measured "
-        "in one that was cut short) and run only the rest; results are saved after every batch",
+        help="keep what --out holds from a run with the same settings (ended workloads, and the repeats measured "
+        "in one that was cut short) and run only the rest; results are saved after every repeat of a batch",
     )
     parser.set_defaults(run=run_bench_command)
 
@@ -129,7 +129,8 @@ def run_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
-#: The samples of the workloads that have not ended yet, saved after every batch (removed once all have ended).
+#: The samples of the workloads that have not ended yet, saved after every repeat of a batch (removed once all
+#: have ended).
 IN_PROGRESS = "in_progress.json"
 
 
@@ -261,9 +262,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         wall = round(time.perf_counter() - started, 1)
         return write_report(rows, args.out, {**settings, "wall_seconds": wall, "complete": complete})
 
-    # An interrupted run keeps what it measured: the batches of the workload it was in, and every ended workload.
-    def save_batch(workload, samples) -> None:
-        in_progress.extend(samples)
+    # An interrupted run keeps what it measured: the repeats of the batch it was in, the batches of the workload it
+    # was in, and every ended workload.
+    def save_repeat(workload, group) -> None:
+        batch = {(s.workload, s.batch_index) for s in group}
+        in_progress[:] = [s for s in in_progress if (s.workload, s.batch_index) not in batch] + group
         save_in_progress(args.out, settings, in_progress)
 
     def save_workload(workload, samples) -> None:
@@ -281,7 +284,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         progress=not args.no_progress,
         on_workload=save_workload,
-        on_batch=save_batch,
+        on_repeat=save_repeat,
         measured=in_progress,
     )
     json_path, md_path = report(complete=True)

@@ -111,6 +111,9 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
     _vericache_numbers(row, group)
     if method.family == "full":
         row["full_tier_bytes"] = row["device_kv_bytes"] = sum(s.kv_bytes for s in group)
+    peaks = [b for s in group for b in s.peak_rss_bytes]
+    if peaks:  # the whole process at its peak in any run: weights, both tiers, activations, the heap
+        row["peak_rss_bytes"] = max(peaks)
     return row
 
 
@@ -193,9 +196,9 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     header = (
         "| workload | method | tok/s | x full | decode tok/s | x full (decode) | identical | parses | passes* "
-        "| accepted/round | draft tier MiB | full tier MiB | device KV MiB |"
+        "| accepted/round | draft tier MiB | full tier MiB | device KV MiB | peak RSS GiB |"
     )
-    lines = [header, "|" + "---|" * 13]
+    lines = [header, "|" + "---|" * 14]
     for r in rows:
         cells = [
             r["workload"],
@@ -211,6 +214,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             _fmt(r.get("draft_tier_bytes"), ".1f", MIB),
             _fmt(r.get("full_tier_bytes"), ".1f", MIB),
             _fmt(r.get("device_kv_bytes"), ".1f", MIB),
+            _fmt(r.get("peak_rss_bytes"), ".1f", 2**30),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -4,16 +4,24 @@ Each repeat runs all methods on the same batch, in an order rotated by one each 
 machine (other jobs, heat) fall on every method alike; the report takes medians over repeats. Every run also
 times its own prefill (its first forward pass), so decode throughput can be told apart from prefill.
 
-A batch is the unit of work that is kept: `on_batch` hands over each batch's samples as it ends (`Sample.to_dict`
-makes them JSON), and `measured` gives back such samples, whose batches are then not run again. So a run of many
-hours can stop and go on later, losing at most the batch it was in.
+A repeat of a batch is the unit of work that is kept: `on_repeat` hands over a batch's samples after each of its
+repeats (`Sample.to_dict` makes them JSON), and `measured` gives back such samples, whose repeats are then not run
+again. So a run of many hours can stop and go on later, losing at most the repeat it was in (at 8k tokens and
+batch 4 one repeat of the grid's methods is most of an hour).
+
+Between runs, untimed, the heap's free memory goes back to the OS, and each run records its peak resident memory:
+see `release_free_memory` and `PeakMemory`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from statistics import median
 
 import torch
@@ -40,7 +48,12 @@ class Sample:
     stats: VeriCacheStats | None = None  # first repeat
     kv_bytes: int = 0  # full-cache method: bytes of its KV cache at the end
     prefill_seconds: list[float] = field(default_factory=list)  # each run's first forward pass
+    peak_rss_bytes: list[int] = field(default_factory=list)  # each run's peak resident memory (Linux only)
     skipped: str | None = None  # why the method does not apply (n/a)
+
+    @property
+    def repeats_done(self) -> int:
+        return len(self.seconds)
 
     @property
     def median_seconds(self) -> float:
@@ -81,6 +94,66 @@ class FirstForwardTimer:
         self.handle.remove()
 
 
+class PeakMemory:
+    """The process's peak resident memory over a block, in bytes (`bytes` stays None where Linux's
+    `/proc/self/clear_refs` cannot reset the peak). Recorded per run, so a grid that outgrows the machine's
+    memory shows which method and which run grew it."""
+
+    CLEAR_REFS, STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None
+        self._armed = False
+
+    def __enter__(self) -> PeakMemory:
+        try:
+            self.CLEAR_REFS.write_text("5")  # 5: reset the peak (VmHWM) to the current resident size
+            self._armed = True
+        except OSError:
+            self._armed = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._armed:
+            self.bytes = _status_kib(self.STATUS, "VmHWM") * 1024
+
+
+def _status_kib(path: Path, key: str) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise OSError(f"{key} missing from {path}")
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory now, in bytes (None off Linux)."""
+    try:
+        return _status_kib(PeakMemory.STATUS, "VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def release_free_memory() -> None:
+    """Return the heap's free memory to the OS between runs (glibc's `malloc_trim`; nothing elsewhere).
+
+    The bench's malloc settings keep freed memory mapped within a run, which saves the verify pass page faults.
+    Across the many runs of a long-context, batch-4 workload, that kept memory piled up: the first 8k batch-4 grid
+    run was killed at 24 GB. Trimming between runs bounds it without touching what is timed."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes of K and V for one token across all layers, in the model's dtype."""
     config = model.config
@@ -91,11 +164,15 @@ def kv_bytes_per_token(model) -> int:
 
 
 def _run_once(model, method: Method, batch, sample: Sample, max_new_tokens: int, eos: set[int], first: bool):
-    with torch.no_grad(), FirstForwardTimer(model) as timer:  # not inference_mode: see the transfer engine
+    release_free_memory()
+    # not inference_mode: see the transfer engine
+    with torch.no_grad(), PeakMemory() as peak, FirstForwardTimer(model) as timer:
         started = time.perf_counter()
         generation = method.generate(model, batch, max_new_tokens)
         sample.seconds.append(time.perf_counter() - started)
     sample.prefill_seconds.append(timer.seconds)
+    if peak.bytes is not None:
+        sample.peak_rss_bytes.append(peak.bytes)
     if not first:
         return
     sample.rows = [trim(row, eos) for row in generation.new_tokens]
@@ -118,15 +195,15 @@ def run_bench(
     eos_token_ids: set[int] | None = None,
     progress: bool = True,
     on_workload: Callable[[Workload, list[Sample]], None] | None = None,
-    on_batch: Callable[[Workload, list[Sample]], None] | None = None,
+    on_repeat: Callable[[Workload, list[Sample]], None] | None = None,
     measured: Iterable[Sample] = (),
 ) -> list[Sample]:
     """Every method on every batch of every workload, `repeats` times each, interleaved.
 
-    `on_batch(workload, samples)` is called as each batch ends, with the samples of that batch, and
-    `on_workload(workload, samples)` as each workload ends, with all of its samples, so a long run can save what it
-    has. A batch with a sample of every method in `measured` (same workload name and batch index) is not run
-    again: those samples are used."""
+    `on_repeat(workload, samples)` is called after each repeat of a batch, with the samples of that batch so far,
+    and `on_workload(workload, samples)` as each workload ends, with all of its samples, so a long run can save what
+    it has. A batch with a sample of every method in `measured` (same workload name and batch index) goes on from
+    the repeats those samples hold: with all of them, it is not run again."""
     if not methods or methods[0].family != "full":
         raise ValueError(
             "methods must start with the full-cache method (Method('full')): it is the reference."
@@ -136,29 +213,28 @@ def run_bench(
     eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
     kept = _measured_batches(measured, methods)
     runs = sum(
-        repeats * sum(m.supports(w.batch_size) for m in methods)
+        (repeats - _repeats_done(kept.get((w.name, index), []), repeats))
+        * sum(m.supports(w.batch_size) for m in methods)
         for w in workloads
         for index in range(len(w.batches))
-        if (w.name, index) not in kept
     )
     bar = tqdm(
         total=runs,
         desc="bench",
         disable=not progress,
-        bar_format="{desc:<60}{bar:20}| {n}/{total} [{elapsed}<{remaining}]",
+        bar_format="{desc:<60}{bar:20}| {n}/{total} [{elapsed}<{remaining}{postfix}]",
     )
     samples: list[Sample] = []
     for workload in workloads:
         start = len(samples)
         for index, batch in enumerate(workload.batches):
-            if (workload.name, index) in kept:
-                samples.extend(kept[workload.name, index])
-                continue
-            group = [Sample(m, workload.name, index, batch.batch_size) for m in methods]
+            group = kept.get((workload.name, index)) or [
+                Sample(m, workload.name, index, batch.batch_size) for m in methods
+            ]
             for sample in group:
                 if not sample.method.supports(batch.batch_size):
                     sample.skipped = f"batch-1 only (batch {batch.batch_size})"
-            for repeat in range(repeats):
+            for repeat in range(_repeats_done(group, repeats), repeats):
                 shift = repeat % len(group)
                 for sample in group[shift:] + group[:shift]:
                     if sample.skipped:
@@ -166,13 +242,21 @@ def run_bench(
                     bar.set_description(f"{workload.name} #{index} r{repeat + 1}: {sample.method.name}")
                     _run_once(model, sample.method, batch, sample, max_new_tokens, eos, first=repeat == 0)
                     bar.update()
+                    rss = resident_bytes()
+                    if rss is not None:
+                        bar.set_postfix_str(f"RSS {rss / 2**30:.1f} GB", refresh=False)
+                if on_repeat is not None:
+                    on_repeat(workload, group)
             samples.extend(group)
-            if on_batch is not None:
-                on_batch(workload, group)
         if on_workload is not None:
             on_workload(workload, samples[start:])
     bar.close()
     return samples
+
+
+def _repeats_done(group: list[Sample], repeats: int) -> int:
+    """How many repeats every method of a batch has (0 for a batch not measured yet)."""
+    return min((s.repeats_done for s in group if not s.skipped), default=0 if not group else repeats)
 
 
 def _measured_batches(
