@@ -206,6 +206,7 @@ def test_a_cut_short_workload_goes_on_from_its_saved_repeats(llama):
 def test_trimming_between_runs_returns_freed_heap_memory():
     """Under the bench's malloc settings freed memory stays resident until `release_free_memory`, and
     `PeakMemory` sees the peak a block reached even after the block freed it."""
+    import os
     import subprocess
     import sys
 
@@ -223,7 +224,7 @@ def test_trimming_between_runs_returns_freed_heap_memory():
         "release_free_memory()\n"
         "print(base, peak.bytes, held, resident_bytes())\n"
     )
-    env = {**__import__("os").environ, **CPU_ENV}
+    env = {**os.environ, **CPU_ENV}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     base, peak, held, trimmed = (int(v) / 2**20 for v in out.stdout.split())
     assert peak - base > 250  # the block's 300 MiB were seen

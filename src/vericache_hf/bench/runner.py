@@ -16,7 +16,7 @@ see `release_free_memory` and `PeakMemory`.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import gc
 import time
 from collections.abc import Callable, Iterable
@@ -50,10 +50,6 @@ class Sample:
     prefill_seconds: list[float] = field(default_factory=list)  # each run's first forward pass
     peak_rss_bytes: list[int] = field(default_factory=list)  # each run's peak resident memory (Linux only)
     skipped: str | None = None  # why the method does not apply (n/a)
-
-    @property
-    def repeats_done(self) -> int:
-        return len(self.seconds)
 
     @property
     def median_seconds(self) -> float:
@@ -145,13 +141,11 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    """The C library this process runs on, once: glibc has `malloc_trim`, others (musl, macOS) do not."""
+    libc = ctypes.CDLL(None)  # the symbols already loaded into the process, the C library's among them
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def kv_bytes_per_token(model) -> int:
@@ -213,7 +207,7 @@ def run_bench(
     eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
     kept = _measured_batches(measured, methods)
     runs = sum(
-        (repeats - _repeats_done(kept.get((w.name, index), []), repeats))
+        (repeats - _repeats_done(kept.get((w.name, index), [])))
         * sum(m.supports(w.batch_size) for m in methods)
         for w in workloads
         for index in range(len(w.batches))
@@ -234,7 +228,7 @@ def run_bench(
             for sample in group:
                 if not sample.method.supports(batch.batch_size):
                     sample.skipped = f"batch-1 only (batch {batch.batch_size})"
-            for repeat in range(_repeats_done(group, repeats), repeats):
+            for repeat in range(_repeats_done(group), repeats):
                 shift = repeat % len(group)
                 for sample in group[shift:] + group[:shift]:
                     if sample.skipped:
@@ -254,9 +248,9 @@ def run_bench(
     return samples
 
 
-def _repeats_done(group: list[Sample], repeats: int) -> int:
+def _repeats_done(group: list[Sample]) -> int:
     """How many repeats every method of a batch has (0 for a batch not measured yet)."""
-    return min((s.repeats_done for s in group if not s.skipped), default=0 if not group else repeats)
+    return min((len(s.seconds) for s in group if not s.skipped), default=0)
 
 
 def _measured_batches(
