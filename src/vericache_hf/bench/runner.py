@@ -144,7 +144,10 @@ def release_free_memory() -> None:
 @functools.cache
 def _libc():
     """The C library this process runs on, once: glibc has `malloc_trim`, others (musl, macOS) do not."""
-    libc = ctypes.CDLL(None)  # the symbols already loaded into the process, the C library's among them
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded into the process, the C library's among them
+    except (OSError, TypeError):  # Windows has no such handle
+        return None
     return libc if hasattr(libc, "malloc_trim") else None
 
 
