@@ -14,7 +14,7 @@ import torch
 from vericache_hf import VeriCacheConfig
 from vericache_hf.bench import Method, PromptBatch, Workload, build_methods, build_workloads, run_bench
 from vericache_hf.bench.command import QUICK, apply_quick, run_settings
-from vericache_hf.bench.plots import plot_all
+from vericache_hf.bench.plots import _panels, _workloads, plot_all
 from vericache_hf.bench.quality import extract_code, parses, passes_humaneval, trim
 from vericache_hf.bench.report import markdown_table, overview_table, summarize, write_report
 from vericache_hf.cli import build_parser
@@ -101,6 +101,27 @@ def test_report_and_plots_are_written(bench_rows, tmp_path):
         assert figure.stat().st_size > 5_000
     full = next(r for r in rows if r["family"] == "full")
     assert math.isclose(full["speed_ratio"], 1.0)
+
+
+def test_a_grid_run_plots_a_panel_per_workload_in_table_order(bench_rows, tmp_path):
+    _, _, rows = bench_rows
+    first = [r for r in rows if r["workload"] == "qa-70-b1"]
+    longer = [
+        dict(r, workload=f"code-{n}k-b1", kind="code", context_tokens=1024 * n)
+        for n in (8, 4, 2)
+        for r in first
+    ]
+    grid = longer + rows  # run order is not table order
+    order = _workloads(grid)
+    assert order == ["qa-70-b1", "qa-70-b2", "code-2k-b1", "code-4k-b1", "code-8k-b1"]
+    fig, panels = _panels(order)
+    assert list(panels) == order and len(fig.axes) == 8  # four a row: two rows, three spare panels hidden
+    assert sum(ax.get_visible() for ax in fig.axes) == 5
+    widths = []
+    for name, subset in (("one", first), ("grid", grid)):
+        for figure in plot_all(subset, tmp_path / name):
+            widths.append(int.from_bytes(figure.read_bytes()[16:20], "big"))  # the PNG header's width
+    assert widths[0] < widths[3] and widths[2] < widths[5]  # throughput and acceptance: a panel each
 
 
 def test_bad_settings_are_refused(llama):
