@@ -14,9 +14,9 @@ import torch
 from vericache_hf import VeriCacheConfig
 from vericache_hf.bench import Method, PromptBatch, Workload, build_methods, build_workloads, run_bench
 from vericache_hf.bench.command import QUICK, apply_quick, run_settings
-from vericache_hf.bench.plots import _panels, _workloads, plot_all
+from vericache_hf.bench.plots import _panels, plot_all
 from vericache_hf.bench.quality import extract_code, parses, passes_humaneval, trim
-from vericache_hf.bench.report import markdown_table, overview_table, summarize, write_report
+from vericache_hf.bench.report import markdown_table, overview_table, summarize, workload_order, write_report
 from vericache_hf.cli import build_parser
 from vericache_hf.prompts import humaneval_problems
 
@@ -112,8 +112,9 @@ def test_a_grid_run_plots_a_panel_per_workload_in_table_order(bench_rows, tmp_pa
         for r in first
     ]
     grid = longer + rows  # run order is not table order
-    order = _workloads(grid)
+    order = workload_order(grid)
     assert order == ["qa-70-b1", "qa-70-b2", "code-2k-b1", "code-4k-b1", "code-8k-b1"]
+    assert overview_table(grid).splitlines()[0] == "| method | " + " | ".join(order) + " |"
     fig, panels = _panels(order)
     assert list(panels) == order and len(fig.axes) == 8  # four a row: two rows, three spare panels hidden
     assert sum(ax.get_visible() for ax in fig.axes) == 5

@@ -20,6 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .report import workload_order  # noqa: E402
+
 COLORS = {
     "full": "black",
     "lossy": "tab:red",
@@ -44,18 +46,6 @@ def _mean_by(rows: list[dict], key: str) -> dict[str, float]:
     return {name: mean(v) for name, v in values.items()}
 
 
-def _workloads(rows: list[dict]) -> list[str]:
-    """Workload names, shortest context and smallest batch first, as the README's tables order them."""
-    first = {}
-    for row in rows:
-        first.setdefault(row["workload"], row)
-    order = {
-        name: (r.get("context_tokens", 0), r.get("batch_size", 0), r.get("kind", ""))
-        for name, r in first.items()
-    }
-    return sorted(first, key=order.__getitem__)
-
-
 def _panels(
     workloads: list[str], size: tuple[float, float] | None = None, **subplots: Any
 ) -> tuple[Any, dict[str, Any]]:
@@ -78,7 +68,7 @@ def _panels(
 
 def plot_throughput(rows: list[dict], path: Path, key: str = "decode_ratio") -> Path:
     """A panel per workload: each compressor's speed at each ratio, lossy alone and as VeriCache's drafter."""
-    fig, panels = _panels(_workloads(rows), sharey=True)
+    fig, panels = _panels(workload_order(rows), sharey=True)
     for workload, ax in panels.items():
         ax.axhline(1.0, color=COLORS["full"], linestyle="--", label="full cache")
         curves: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
@@ -124,7 +114,7 @@ def plot_quality(rows: list[dict], path: Path, key: str = "decode_ratio") -> Pat
     ax.scatter([], [], color="gray", marker="o", label="(circle) identical to full-cache output")
     ax.scatter([], [], color="gray", marker="^", label="(triangle) code parses (ast.parse)")
     ax.set_ylim(-0.05, 1.1)
-    title = "Quality against throughput" + (" (mean over workloads)" if len(_workloads(rows)) > 1 else "")
+    title = "Quality against throughput" + (" (mean over workloads)" if len(workload_order(rows)) > 1 else "")
     return _finish(
         fig,
         panels,
@@ -157,7 +147,7 @@ def _method_colors(rows: list[dict]) -> dict[str, Any]:
 def plot_acceptance(rows: list[dict], path: Path) -> Path:
     """A panel per workload: accepted drafts per round over the first batch's generation, and the draft length
     the schedule chose (dotted)."""
-    fig, panels = _panels(_workloads(rows), sharey=True)
+    fig, panels = _panels(workload_order(rows), sharey=True)
     methods = list(dict.fromkeys(r["method"] for r in rows if r["family"] == "vericache"))
     palette = plt.get_cmap("tab10")
     for row in rows:

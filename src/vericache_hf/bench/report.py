@@ -234,9 +234,21 @@ def _overview_cell(row: dict[str, Any]) -> str:
     return cell
 
 
+def workload_order(rows: list[dict[str, Any]]) -> list[str]:
+    """Workload names, shortest context and smallest batch first, then by kind: the column order of the overview
+    table and the panel order of the figures, whatever order the (resumed) runs came in."""
+    first: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault(row["workload"], row)
+    return sorted(
+        first,
+        key=lambda name: (first[name]["context_tokens"], first[name]["batch_size"], first[name]["kind"]),
+    )
+
+
 def overview_table(rows: list[dict[str, Any]]) -> str:
     """The whole run in one table: a method per line, a workload per column, decode speed against full cache."""
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    workloads = workload_order(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cells = {(r["method"], r["workload"]): _overview_cell(r) for r in rows}
     lines = ["| method | " + " | ".join(workloads) + " |", "|" + "---|" * (len(workloads) + 1)]
