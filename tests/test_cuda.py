@@ -1,0 +1,129 @@
+"""On a CUDA GPU, the accelerator path that the CPU tests reach only through `stage_on_cpu=True`: the full tier in
+pinned host memory, copied chunk by chunk on the transfer engine's own CUDA stream, greedy output equal to stock
+`generate` (float64, so batched and sequential passes agree to the last bit), a failure in the worker raised in the
+caller, and a model split across devices by accelerate with each layer's tiers on that layer's device.
+
+Skipped without CUDA. On a GPU machine: `python -m pytest tests/test_cuda.py`."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vericache_hf import VeriCacheConfig
+from vericache_hf.cache.full_tier import HostSnapshot
+from vericache_hf.cache.transfer import TransferError
+from vericache_hf.compat import CACHE_OUTPUT_FIELD
+
+from .conftest import random_prompt, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NEW_TOKENS = 40
+
+
+def padded_batch(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 150, 110 and 60 tokens, left-padded: chunks of 32 tokens mix padding and prompt."""
+    ids = random_prompt(150, batch=3, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    mask[2, :90] = 0
+    ids[mask == 0] = 0
+    return ids.to(device), mask.to(device)
+
+
+def generate_both(model, ids, mask, config: VeriCacheConfig):
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        generation_mode="vericache",
+        vericache_config=config,
+        return_dict_in_generate=True,
+    )
+    return expected, out
+
+
+def transfer_workers_alive() -> bool:
+    workers = [thread for thread in threading.enumerate() if thread.name == "vericache-transfer"]
+    for thread in workers:
+        thread.join(5)
+    return any(thread.is_alive() for thread in workers)
+
+
+@pytest.fixture(scope="module")
+def cuda_llama():
+    return tiny_model("llama").to("cuda")
+
+
+@pytest.mark.parametrize("compressor", ["streaming_llm", "snapkv", "kivi"])
+def test_greedy_on_cuda_matches_stock_with_a_pinned_full_tier_streamed_over_the_transfer_stream(
+    cuda_llama, compressor
+):
+    ids, mask = padded_batch("cuda")
+    config = VeriCacheConfig(compressor=compressor, compression_ratio=0.75, chunk_tokens=32, draft_length=6)
+    expected, out = generate_both(cuda_llama, ids, mask, config)
+    assert torch.equal(out.sequences, expected)
+
+    cache, stats = getattr(out, CACHE_OUTPUT_FIELD), out.vericache_stats
+    for layer in cache.layers:
+        assert layer.device.type == "cuda" and layer.draft.valid.device.type == "cuda"
+        assert all(chunk.is_pinned() for chunk in layer.full.key_chunks + layer.full.value_chunks)
+    assert torch.device("cuda", torch.cuda.current_device()) in cache.transfers._streams
+    assert stats.rounds > 0 and stats.accepted_tokens > 0
+    # Every verify pass streams the whole full tier, so at least the prompt's K/V (150 tokens a row) each round.
+    prompt_bytes = 150 * sum(2 * layer.full.key_chunks[0][:, :, 0].nbytes for layer in cache.layers)
+    assert stats.bytes_to_device >= stats.rounds * prompt_bytes and stats.transfer_seconds > 0
+    assert stats.peak_staging_bytes > 0
+
+
+def test_a_failure_in_the_cuda_transfer_raises_in_the_caller_and_leaves_no_worker(cuda_llama, monkeypatch):
+    def failing_copy(self, chunk, keys_out, values_out):
+        raise OSError("injected DMA failure")
+
+    monkeypatch.setattr(HostSnapshot, "copy_chunk_into", failing_copy)
+    ids, mask = padded_batch("cuda")
+    config = VeriCacheConfig(compressor="streaming_llm", chunk_tokens=32, draft_length=6, transfer_timeout=10)
+    with pytest.raises(TransferError, match="injected DMA failure"):
+        cuda_llama.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            generation_mode="vericache",
+            vericache_config=config,
+        )
+    assert not transfer_workers_alive()
+
+
+def test_a_model_split_between_the_gpu_and_the_cpu_keeps_each_layers_tiers_on_its_device():
+    """accelerate's `dispatch_model` with layers on two devices, as `device_map` does across GPUs: here the first
+    half on cuda:0 and the second on the CPU (main_device="cpu" makes the CPU layers run there, not offload)."""
+    from accelerate import dispatch_model
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 0,
+        "model.layers.2": "cpu",
+        "model.layers.3": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
+    model = dispatch_model(model, device_map=device_map, main_device="cpu")
+    ids, mask = padded_batch("cuda")
+    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6)
+    expected, out = generate_both(model, ids, mask, config)
+    assert torch.equal(out.sequences.cpu(), expected.cpu())
+
+    cache = getattr(out, CACHE_OUTPUT_FIELD)
+    devices = [layer.device.type for layer in cache.layers]
+    assert devices == ["cuda", "cuda", "cpu", "cpu"]
+    assert [layer.draft.valid.device.type for layer in cache.layers] == devices
+    assert out.vericache_stats.accepted_tokens > 0
