@@ -34,18 +34,22 @@ def padded_batch(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), mask.to(device)
 
 
-def generate_both(model, ids, mask, config: VeriCacheConfig):
-    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
-    out = model.generate(
+def vericache_generate(model, ids, mask, config: VeriCacheConfig, **kwargs):
+    return model.generate(
         ids,
         attention_mask=mask,
         do_sample=False,
         max_new_tokens=NEW_TOKENS,
         generation_mode="vericache",
         vericache_config=config,
-        return_dict_in_generate=True,
+        **kwargs,
     )
-    return expected, out
+
+
+def generate_both(model, ids, mask, config: VeriCacheConfig):
+    """(stock greedy sequences on the full cache, VeriCache's dict output)."""
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
+    return expected, vericache_generate(model, ids, mask, config, return_dict_in_generate=True)
 
 
 def transfer_workers_alive() -> bool:
@@ -89,14 +93,7 @@ def test_a_failure_in_the_cuda_transfer_raises_in_the_caller_and_leaves_no_worke
     ids, mask = padded_batch("cuda")
     config = VeriCacheConfig(compressor="streaming_llm", chunk_tokens=32, draft_length=6, transfer_timeout=10)
     with pytest.raises(TransferError, match="injected DMA failure"):
-        cuda_llama.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            generation_mode="vericache",
-            vericache_config=config,
-        )
+        vericache_generate(cuda_llama, ids, mask, config)
     assert not transfer_workers_alive()
 
 
