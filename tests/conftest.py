@@ -3,6 +3,8 @@ passes agree to the last bit, so greedy VeriCache output must equal stock `gener
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import (
@@ -17,6 +19,7 @@ from transformers import (
 )
 
 import vericache_hf  # registers generation_mode="vericache"
+from vericache_hf.cache.transfer import WORKER_THREAD_NAME
 
 VOCAB = 96
 
@@ -72,6 +75,14 @@ def model(request):
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama")
+
+
+def no_worker_left() -> bool:
+    """No transfer worker thread is alive, after giving each a few seconds to exit."""
+    for thread in threading.enumerate():
+        if thread.name == WORKER_THREAD_NAME:
+            thread.join(5)
+    return not any(t.name == WORKER_THREAD_NAME and t.is_alive() for t in threading.enumerate())
 
 
 def random_prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:

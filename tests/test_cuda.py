@@ -7,8 +7,6 @@ Skipped without CUDA. On a GPU machine: `python -m pytest tests/test_cuda.py`.""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from vericache_hf.cache.full_tier import HostSnapshot
 from vericache_hf.cache.transfer import TransferError
 from vericache_hf.compat import CACHE_OUTPUT_FIELD
 
-from .conftest import random_prompt, tiny_model
+from .conftest import no_worker_left, random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -50,13 +48,6 @@ def generate_both(model, ids, mask, config: VeriCacheConfig):
     """(stock greedy sequences on the full cache, VeriCache's dict output)."""
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
     return expected, vericache_generate(model, ids, mask, config, return_dict_in_generate=True)
-
-
-def transfer_workers_alive() -> bool:
-    workers = [thread for thread in threading.enumerate() if thread.name == "vericache-transfer"]
-    for thread in workers:
-        thread.join(5)
-    return any(thread.is_alive() for thread in workers)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +85,7 @@ def test_a_failure_in_the_cuda_transfer_raises_in_the_caller_and_leaves_no_worke
     config = VeriCacheConfig(compressor="streaming_llm", chunk_tokens=32, draft_length=6, transfer_timeout=10)
     with pytest.raises(TransferError, match="injected DMA failure"):
         vericache_generate(cuda_llama, ids, mask, config)
-    assert not transfer_workers_alive()
+    assert no_worker_left()
 
 
 def test_a_model_split_between_the_gpu_and_the_cpu_keeps_each_layers_tiers_on_its_device():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from vericache_hf.cache.staging import buffer_tokens
 from vericache_hf.cache.transfer import TransferError
 from vericache_hf.compressors import build_compressor
 
-from .conftest import random_prompt, tiny_model, vericache_dict
+from .conftest import no_worker_left, random_prompt, tiny_model, vericache_dict
 
 HEADS, KEY_DIM, VALUE_DIM = 2, 8, 8
 
@@ -137,13 +136,6 @@ def vericache(model, ids, **kwargs):
     return model.generate(
         ids, do_sample=False, generation_mode="vericache", vericache_config=config, **kwargs
     )
-
-
-def no_worker_left() -> bool:
-    for thread in threading.enumerate():
-        if thread.name == "vericache-transfer":
-            thread.join(5)
-    return not any(t.name == "vericache-transfer" and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.fixture(scope="module")

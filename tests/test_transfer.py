@@ -13,7 +13,7 @@ from vericache_hf.cache.full_tier import HostKVStore, HostSnapshot
 from vericache_hf.cache.staging import StagingBuffers
 from vericache_hf.cache.transfer import TransferEngine, TransferError
 
-WORKER = "vericache-transfer"
+from .conftest import no_worker_left
 
 
 def filled_store(
@@ -36,13 +36,6 @@ def copy_all(snapshot, keys_out, values_out) -> int:
         span = slice(start, start + take)
         moved += snapshot.copy_chunk_into(chunk, keys_out[:, :, span], values_out[:, :, span])
     return moved
-
-
-def no_worker_left() -> bool:
-    for thread in threading.enumerate():
-        if thread.name == WORKER:
-            thread.join(5)
-    return not any(t.name == WORKER and t.is_alive() for t in threading.enumerate())
 
 
 def test_store_appends_in_place_across_chunks_and_rolls_back_by_length():

@@ -28,6 +28,7 @@ from .full_tier import HostKVStore, HostSnapshot
 from .staging import StagingBuffers, buffer_tokens
 
 _ALL = object()
+WORKER_THREAD_NAME = "vericache-transfer"  # one per engine while it has copies to make
 
 
 class TransferError(RuntimeError):
@@ -251,7 +252,7 @@ class TransferEngine:
             )
             self._queue.append(transfer)
         if self._queue and self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="vericache-transfer", daemon=True)
+            self._thread = threading.Thread(target=self._work, name=WORKER_THREAD_NAME, daemon=True)
             self._last_thread = self._thread
             self._thread.start()
 
