@@ -1,4 +1,5 @@
-"""The one compressor interface, and the score-then-gather base that token-dropping methods share.
+"""The score-then-gather base that token-dropping methods share. The interface every compressor implements,
+`Compressor`, is the cache's (`cache/compressor.py`), re-exported here.
 
 A compressor turns a layer's full K/V after prefill (plus whatever it needs, such as the attention module and its
 input hidden states) into a `DraftStore`: the draft tier of that layer. The store also decides how newly committed
@@ -8,43 +9,16 @@ tokens enter it: appended, windowed, or quantized.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from abc import abstractmethod
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
+from ..cache.compressor import CompressionContext, Compressor
 from ..cache.draft_tier import DraftStore, TokenStore
 from ..checks import check_budget, check_ratio
 
-
-@dataclass
-class CompressionContext:
-    """What a compressor may read when it builds one layer's draft tier at prefill.
-
-    `valid` is (B, T) bool, False on left padding. `module`, `hidden_states` (B, T, hidden) and `attention_kwargs`
-    (the attention layer's own forward kwargs, `position_embeddings` included) are set only for compressors whose
-    `needs_hidden_states` is True; `model` too (adapters such as kvpress's need it).
-    """
-
-    layer_idx: int
-    valid: torch.Tensor
-    model: nn.Module | None = None
-    module: nn.Module | None = None
-    hidden_states: torch.Tensor | None = None
-    attention_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-class Compressor(ABC):
-    """Builds a layer's draft tier from its exact K/V. Subclasses are dataclasses holding their parameters."""
-
-    #: Set to True when `compress` reads `context.module` / `context.hidden_states` (e.g. query-aware scoring).
-    needs_hidden_states: ClassVar[bool] = False
-
-    @abstractmethod
-    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
-        """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
+__all__ = ["CompressionContext", "Compressor", "ScorerCompressor"]
 
 
 @dataclass

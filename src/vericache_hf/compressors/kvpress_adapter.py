@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..cache.draft_tier import DraftStore, TokenStore
-from .base import CompressionContext, Compressor, check_budget
+from ..checks import check_budget
+from .base import CompressionContext, Compressor
 
 #: Presses that mask keys instead of dropping them: the draft tier would be as large as the full cache.
 MASKING_PRESSES = ("AdaKVPress", "CriticalAdaKVPress", "DMSPress", "KVzipPress", "FastKVzipPress")

@@ -1,0 +1,41 @@
+"""The interface the cache builds a draft tier through. Compressors (`vericache_hf.compressors`) implement it; the
+cache depends only on this file, never on a particular method."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .draft_tier import DraftStore
+
+
+@dataclass
+class CompressionContext:
+    """What a compressor may read when it builds one layer's draft tier at prefill.
+
+    `valid` is (B, T) bool, False on left padding. `module`, `hidden_states` (B, T, hidden) and `attention_kwargs`
+    (the attention layer's own forward kwargs, `position_embeddings` included) are set only for compressors whose
+    `needs_hidden_states` is True; `model` too (adapters such as kvpress's need it).
+    """
+
+    layer_idx: int
+    valid: torch.Tensor
+    model: nn.Module | None = None
+    module: nn.Module | None = None
+    hidden_states: torch.Tensor | None = None
+    attention_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class Compressor(ABC):
+    """Builds a layer's draft tier from its exact K/V. Subclasses are dataclasses holding their parameters."""
+
+    #: Set to True when `compress` reads `context.module` / `context.hidden_states` (e.g. query-aware scoring).
+    needs_hidden_states: ClassVar[bool] = False
+
+    @abstractmethod
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
+        """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
