@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf.bench import Method, PromptBatch, Workload, build_methods, build_workloads, run_bench
-from vericache_hf.bench.command import QUICK, apply_quick, run_settings
-from vericache_hf.bench.plots import _panels, plot_all
-from vericache_hf.bench.quality import extract_code, parses, passes_humaneval, trim
-from vericache_hf.bench.report import markdown_table, overview_table, summarize, workload_order, write_report
-from vericache_hf.cli import build_parser
-from vericache_hf.prompts import humaneval_problems
+from vericache_tools.bench import Method, PromptBatch, Workload, build_methods, build_workloads, run_bench
+from vericache_tools.bench.command import QUICK, apply_quick, run_settings
+from vericache_tools.bench.plots import _panels, plot_all
+from vericache_tools.bench.quality import extract_code, parses, passes_humaneval, trim
+from vericache_tools.bench.report import markdown_table, overview_table, summarize, workload_order, write_report
+from vericache_tools.cli import build_parser
+from vericache_tools.prompts import humaneval_problems
 
 from .conftest import random_prompt
 
@@ -183,7 +183,7 @@ def test_each_workload_is_handed_over_with_its_own_samples_as_it_ends(llama):
 
 
 def test_a_cut_short_workload_goes_on_from_its_saved_repeats(llama):
-    from vericache_hf.bench.runner import Sample
+    from vericache_tools.bench.runner import Sample
 
     two_batches = synthetic_workload(1)
     two_batches.batches.append(
@@ -232,11 +232,11 @@ def test_trimming_between_runs_returns_freed_heap_memory():
     import subprocess
     import sys
 
-    from vericache_hf.bench.command import CPU_ENV
+    from vericache_tools.bench.command import CPU_ENV
 
     script = (
         "import torch\n"
-        "from vericache_hf.bench.runner import PeakMemory, release_free_memory, resident_bytes\n"
+        "from vericache_tools.bench.runner import PeakMemory, release_free_memory, resident_bytes\n"
         "base = resident_bytes()\n"
         "with PeakMemory() as peak:\n"
         "    chunks = [torch.ones(2**18) for _ in range(300)]\n"  # 300 MiB in 1 MiB pieces, on the heap
@@ -255,8 +255,8 @@ def test_trimming_between_runs_returns_freed_heap_memory():
 
 
 def test_resumed_samples_come_only_from_a_run_with_the_same_settings(tmp_path):
-    from vericache_hf.bench.command import IN_PROGRESS, resumed_samples, save_in_progress
-    from vericache_hf.bench.runner import Sample
+    from vericache_tools.bench.command import IN_PROGRESS, resumed_samples, save_in_progress
+    from vericache_tools.bench.runner import Sample
 
     settings = run_settings(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
     assert resumed_samples(tmp_path, settings) == []
@@ -270,7 +270,7 @@ def test_resumed_samples_come_only_from_a_run_with_the_same_settings(tmp_path):
 
 
 def test_resume_keeps_saved_rows_only_under_the_same_settings(tmp_path):
-    from vericache_hf.bench.command import RESUME_KEYS, resumed_rows
+    from vericache_tools.bench.command import RESUME_KEYS, resumed_rows
 
     settings = run_settings(build_parser().parse_args(["bench", "--out", str(tmp_path)]))
     assert resumed_rows(tmp_path, settings) == []  # nothing saved yet
@@ -384,7 +384,7 @@ def test_extract_code_drops_what_the_token_limit_cut():
 @pytest.mark.slow
 def test_bench_command_on_the_embedded_model(tmp_path):
     import vericache_hf
-    from vericache_hf.cli import main
+    from vericache_tools.cli import main
 
     argv = ["bench", "--kinds", "code", "--contexts", "512", "--batch-sizes", "1", "--num-prompts", "1"]
     argv += ["--max-new-tokens", "12", "--compressors", "snapkv", "--ratios", "0.75", "--repeats", "1"]

@@ -23,7 +23,7 @@ from vericache_hf.compressors import (
 )
 from vericache_hf.compressors.base import CompressionContext
 from vericache_hf.compressors.quantized import require
-from vericache_hf.lossy import compressed_only_generate, first_divergence
+from vericache_tools.lossy import compressed_only_generate, first_divergence
 
 from .conftest import random_prompt
 from .conftest import vericache_dict as vericache

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vericache_hf import embedded
-from vericache_hf.embedded import MODEL_SUBDIR, load_embedded_model
-from vericache_hf.prompts import (
+from vericache_tools import embedded
+from vericache_tools.embedded import MODEL_SUBDIR, load_embedded_model
+from vericache_tools.prompts import (
     code_context,
     humaneval_problems,
     long_code_prompt,
@@ -195,7 +195,7 @@ def test_greedy_generate_runs(loaded) -> None:
 @needs_model
 @needs_humaneval
 def test_bench_contexts_are_cut_to_leave_room_for_the_answer(loaded) -> None:
-    from vericache_hf.bench import build_workloads
+    from vericache_tools.bench import build_workloads
 
     model, tokenizer, _ = loaded
     positions = model.config.max_position_embeddings  # 8192

@@ -91,7 +91,7 @@ needs_model = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm():
-    from vericache_hf.embedded import load_embedded_model
+    from vericache_tools.embedded import load_embedded_model
 
     return load_embedded_model()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
-from vericache_hf.lossy import compressed_only_generate, first_divergence
+from vericache_tools.lossy import compressed_only_generate, first_divergence
 
 pytestmark = pytest.mark.slow
 
@@ -16,14 +16,14 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from vericache_hf.embedded import load_embedded_model
+    from vericache_tools.embedded import load_embedded_model
 
     return load_embedded_model()
 
 
 @pytest.fixture(scope="module")
 def code_prompt(smollm2):
-    from vericache_hf.prompts import humaneval_problems, long_code_prompt
+    from vericache_tools.prompts import humaneval_problems, long_code_prompt
 
     _, tokenizer = smollm2
     text = long_code_prompt(tokenizer, humaneval_problems()[0], context_tokens=1200)
@@ -58,7 +58,7 @@ def test_lossy_draft_tier_drifts_but_vericache_is_exact(smollm2, code_prompt, fu
 
 
 def test_demo_command_shows_identical_output(smollm2, capsys):
-    from vericache_hf.cli import main
+    from vericache_tools.cli import main
 
     assert (
         main(["demo", "--context-tokens", "600", "--max-new-tokens", "24", "--compressor", "streaming_llm"])

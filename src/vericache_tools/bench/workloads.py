@@ -1,6 +1,6 @@
 """Bench workloads: long prompts of a chosen kind, context length and batch size, tokenized once.
 
-Two kinds, both built from data that ships locally (`vericache_hf.prompts`): `code` (a HumanEval problem behind a
+Two kinds, both built from data that ships locally (`vericache_tools.prompts`): `code` (a HumanEval problem behind a
 long stretch of real source code) and `qa` (a question about a function in long library documentation).
 """
 

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
-from .compressors import ComposedCompressor, KIVICompressor, SnapKVCompressor
-from .config import VeriCacheConfig
+from vericache_hf import VeriCacheConfig
+from vericache_hf.compressors import ComposedCompressor, KIVICompressor, SnapKVCompressor, build_compressor
+
+from .arguments import HelpFormatter, comma_list
 from .lossy import compressed_only_generate, first_divergence
 
 #: name -> factory(ratio) -> compressor. Quantizers map the ratio to bits (0.5 -> 8, 0.75 -> 4, 0.875 -> 2).
@@ -39,7 +41,7 @@ DEFAULT_COMPRESSORS = ("streaming_llm", "snapkv", "knorm", "h2o", "kivi", "hqq",
 
 
 def timed(fn) -> tuple[Any, float]:
-    """`fn()` and the wall seconds it took (the demo and the table time their runs with this)."""
+    """`fn()` and the wall seconds it took."""
     started = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - started
@@ -61,8 +63,6 @@ def measure(model, ids: torch.Tensor, name: str, ratio: float, new_tokens: int, 
     try:
         compressor = TABLE_COMPRESSORS[name](ratio)
         config = VeriCacheConfig(compressor=compressor, compression_ratio=ratio, draft_length=16)
-        from .compressors import build_compressor  # noqa: PLC0415
-
         build_compressor(compressor, ratio)
     except ValueError:
         return None
@@ -157,15 +157,32 @@ def run_table(args: argparse.Namespace) -> int:
 
 
 def add_table_command(subparsers) -> argparse.ArgumentParser:
-    """Add `table` to a CLI's subparsers (the lead's cli.py calls this); the handler is `args.run`."""
-    parser = subparsers.add_parser("table", help="measure the README's compressor table on SmolLM2")
-    parser.add_argument("--context-tokens", type=int, default=2048)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=1, help="HumanEval problems (medians are reported)")
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.875])
-    parser.add_argument(
-        "--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(TABLE_COMPRESSORS)
+    """Add `table` to a CLI's subparsers; the handler is `args.run`."""
+    parser = subparsers.add_parser(
+        "table",
+        help="measure the README's compressor table on SmolLM2",
+        description="Measure the README's compressor table on the embedded SmolLM2. Lists are comma-separated.",
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--output", help="also write the Markdown here")
+    parser.add_argument("--context-tokens", type=int, default=2048, help="prompt length in tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
+    parser.add_argument("--prompts", type=int, default=1, help="HumanEval problems (medians are reported)")
+    parser.add_argument(
+        "--ratios",
+        type=comma_list(float),
+        metavar="RATIO,...",
+        default="0.5,0.75,0.875",
+        help="compression ratios",
+    )
+    parser.add_argument(
+        "--compressors",
+        type=comma_list(choices=TABLE_COMPRESSORS),
+        metavar="NAME,...",
+        default=",".join(DEFAULT_COMPRESSORS),
+        help="table rows",
+    )
+    parser.add_argument(
+        "--output", default=None, help="also write the Markdown to this file (None: print only)"
+    )
     parser.set_defaults(run=run_table)
     return parser

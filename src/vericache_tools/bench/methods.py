@@ -1,7 +1,7 @@
 """The decoding methods a bench compares, each behind one call: `method.generate(model, batch, new_tokens)`.
 
 - `full`: stock greedy `generate` on the full cache, the reference every other output is compared with;
-- `lossy`: greedy decoding on the compressed cache alone (`vericache_hf.lossy.compressed_only_generate`);
+- `lossy`: greedy decoding on the compressed cache alone (`vericache_tools.lossy.compressed_only_generate`);
 - `vericache`: draft on the compressed cache, verify against the full one;
 - `prompt_lookup` and `early_exit`: transformers' own lossless speculative methods, which run in the same process
   with the same model (prompt-lookup decoding; assisted decoding with the model's first layers as its draft). HF's
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DRAFT_SCHEDULES, VeriCacheConfig
-from ..stats import VeriCacheStats
+from vericache_hf import VeriCacheConfig, VeriCacheStats
+
 from .workloads import PromptBatch
 
 FAMILIES = ("full", "lossy", "vericache", "prompt_lookup", "early_exit")
@@ -120,9 +120,11 @@ def build_methods(
     unknown = [name for name in chosen if name not in PEERS]
     if unknown:
         raise ValueError(f"Unknown peer method(s) {unknown}; choose from {PEERS}.")
-    bad = [name for name in draft_schedules or [] if name not in DRAFT_SCHEDULES]
-    if bad:
-        raise ValueError(f"Unknown draft schedule(s) {bad}; choose from {DRAFT_SCHEDULES}.")
+    for name in draft_schedules or []:
+        try:
+            VeriCacheConfig(draft_schedule=name)  # the config knows its schedules
+        except ValueError as error:
+            raise ValueError(f"Unknown draft schedule {name!r} in draft_schedules: {error}") from None
     methods = [Method("full")]
     for compressor in compressors:
         for ratio in ratios:

@@ -8,12 +8,16 @@ a lossy-only system.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache.draft_tier import DraftStore
-from .compat import cache_kwargs
-from .compressors import CompressionContext, Compressor, build_compressor
+from vericache_hf.cache import DraftStore
+from vericache_hf.cache.capture import LayerInputCapture
+from vericache_hf.cache.compressor import CompressionContext
+from vericache_hf.compat import cache_kwargs
+from vericache_hf.compressors import Compressor, build_compressor
 
 __all__ = ["LossyCache", "compressed_only_generate", "first_divergence"]
 
@@ -27,7 +31,6 @@ class LossyLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx, self.owner = layer_idx, owner
         self.draft: DraftStore | None = None
-        self.context: CompressionContext | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -37,10 +40,8 @@ class LossyLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.owner.mode == "prefill":
-            context = self.context or CompressionContext(
-                layer_idx=self.layer_idx, valid=self.owner.prompt_valid
-            )
-            self.context = None
+            captured = self.owner.capture.pop(self.layer_idx) if self.owner.capture is not None else None
+            context = captured or CompressionContext(layer_idx=self.layer_idx, valid=self.owner.prompt_valid)
             self.draft = self.owner.compressor.compress(key_states, value_states, context)
             return key_states, value_states
         valid = key_states.new_ones(key_states.shape[:1] + key_states.shape[2:3], dtype=torch.bool)
@@ -58,12 +59,14 @@ class LossyLayer(CacheLayerMixin):
 
 
 class LossyCache(Cache):
-    """A `Cache` made only of draft-tier stores (no full tier). `mode` is `prefill`, then `decode`."""
+    """A `Cache` made only of draft-tier stores (no full tier). `mode` is `prefill`, then `decode`. During a
+    prefill whose compressor reads the layers' inputs, `capture` holds them (one `CompressionContext` a layer)."""
 
     def __init__(self, num_layers: int, compressor: Compressor) -> None:
         self.compressor = compressor
         self.mode = "prefill"
         self.prompt_valid: torch.Tensor | None = None
+        self.capture: LayerInputCapture | None = None
         super().__init__(layers=[LossyLayer(i, self) for i in range(num_layers)])
 
     def attention_mask(self, query_length: int) -> torch.Tensor:
@@ -84,15 +87,15 @@ def compressed_only_generate(
     attention_mask: torch.Tensor | None = None,
     compression_ratio: float = 0.75,
     compression_budget: int | None = None,
+    streamer=None,
 ) -> torch.Tensor:
     """Greedy decoding on the compressed (draft-tier) cache alone; returns (B, prompt + max_new_tokens) token ids.
 
     `compressor` is anything `VeriCacheConfig(compressor=...)` takes (a name, an instance, a kvpress press or a
     list to compose); a name uses `compression_ratio` (or `compression_budget` tokens). `attention_mask` marks left padding. No EOS handling: every
     row runs `max_new_tokens` steps, so outputs line up with `generate(..., min_new_tokens=max_new_tokens)`.
+    `streamer` (a transformers streamer: `put`, `end`) gets the prompt, then each new token, as `generate` does.
     """
-    from .decoding import _capture_layer_inputs  # noqa: PLC0415  (decoding imports this package's siblings)
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
     compressor = build_compressor(compressor, compression_ratio, compression_budget)
@@ -102,7 +105,11 @@ def compressed_only_generate(
     )
     cache.prompt_valid = valid
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    with _capture_layer_inputs(model, cache, enabled=compressor.needs_hidden_states):
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    # Query-aware compressors (SnapKV) read each layer's input: the capture keeps it for `LossyLayer.update`.
+    cache.capture = LayerInputCapture(model, cache, valid) if compressor.needs_hidden_states else None
+    with cache.capture or nullcontext():
         logits = model(
             input_ids=input_ids,
             attention_mask=valid.long(),
@@ -111,9 +118,11 @@ def compressed_only_generate(
             use_cache=True,
             logits_to_keep=1,
         ).logits
-    cache.mode = "decode"
+    cache.mode, cache.capture = "decode", None
     token = logits[:, -1].argmax(dim=-1)
     tokens = [token]
+    if streamer is not None:
+        streamer.put(token.cpu())
     next_position = positions[:, -1] + 1
     for _ in range(max_new_tokens - 1):
         logits = model(
@@ -125,7 +134,11 @@ def compressed_only_generate(
         ).logits
         token = logits[:, -1].argmax(dim=-1)
         tokens.append(token)
+        if streamer is not None:
+            streamer.put(token.cpu())
         next_position = next_position + 1
+    if streamer is not None:
+        streamer.end()
     return torch.cat([input_ids, torch.stack(tokens, dim=-1)], dim=-1)
 
 

@@ -27,7 +27,8 @@ from statistics import median
 import torch
 from tqdm.auto import tqdm
 
-from ..stats import VeriCacheStats
+from vericache_hf import VeriCacheStats
+
 from .methods import Method
 from .quality import trim
 from .workloads import Workload

@@ -16,6 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..arguments import HelpFormatter, comma_list
+from .methods import PEERS
+from .workloads import KINDS
+
 #: Settings that change speed, never results (see the project's field notes on where the time goes on CPU).
 CPU_ENV = {
     "TRANSFORMERS_SDPA_FORCE_GQA": "1",
@@ -32,63 +36,78 @@ QUICK = dict(
 )  # fmt: skip
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v]
-
-
-def _names(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
 def add_bench_command(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="throughput and quality of full cache, compressed-only, VeriCache and HF peers"
+        "bench",
+        help="throughput and quality of full cache, compressed-only, VeriCache and HF peers",
+        description="Full cache, compressed-only, VeriCache and HF's lossless peers, side by side. Lists are "
+        "comma-separated.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a few minutes on 2 CPU cores: 1 code prompt, 2k context, batch 1, 112 new tokens, prompt lookup",
+        help="a few minutes on 2 CPU cores: 1 code prompt, 2k context, batch 1, 112 new tokens, prompt lookup "
+        "(overrides the sizes below)",
     )
-    parser.add_argument("--kinds", type=_names, default=["code", "qa"], help="workloads: code,qa")
-    parser.add_argument("--contexts", type=_ints, default=[2048, 4096, 8192], help="prompt lengths in tokens")
-    parser.add_argument("--batch-sizes", type=_ints, default=[1, 4])
+    parser.add_argument(
+        "--kinds", type=comma_list(choices=KINDS), metavar="NAME,...", default="code,qa", help="workloads"
+    )
+    parser.add_argument(
+        "--contexts",
+        type=comma_list(int),
+        metavar="N,...",
+        default="2048,4096,8192",
+        help="prompt lengths in tokens",
+    )
+    parser.add_argument(
+        "--batch-sizes", type=comma_list(int), metavar="N,...", default="1,4", help="prompts decoded together"
+    )
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--compressors", type=_names, default=["snapkv", "streaming_llm", "kivi"])
-    parser.add_argument("--ratios", type=_floats, default=[0.75, 0.875], help="compression ratios")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument(
+        "--compressors",
+        type=comma_list(),
+        metavar="NAME,...",
+        default="snapkv,streaming_llm,kivi",
+        help="draft-tier methods",
+    )
+    parser.add_argument(
+        "--ratios",
+        type=comma_list(float),
+        metavar="RATIO,...",
+        default="0.75,0.875",
+        help="compression ratios",
+    )
     parser.add_argument("--draft-length", type=int, default=8, help="VeriCache's starting draft length")
     parser.add_argument(
         "--draft-schedules",
-        type=_names,
+        type=comma_list(),
+        metavar="NAME,...",
         default=None,
-        help="VeriCache once per draft-length schedule, side by side: cost_aware,adaptive,fixed "
-        "(default: VeriCacheConfig's default schedule only)",
+        help="VeriCache once per draft-length schedule, side by side, such as cost_aware,adaptive,fixed (None: "
+        "VeriCacheConfig's default schedule only)",
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="interleaved timing repeats (medians are reported)"
     )
     parser.add_argument(
         "--peers",
-        type=_names,
-        default=["prompt_lookup", "early_exit"],
-        help="HF lossless peers: prompt_lookup,early_exit",
+        type=comma_list(choices=PEERS),
+        metavar="NAME,...",
+        default="prompt_lookup,early_exit",
+        help="HF lossless peers",
     )
     parser.add_argument("--no-peers", action="store_true", help="skip the HF peers")
-    parser.add_argument(
-        "--model", default=None, help="a Hub id or folder (default: the embedded SmolLM2-135M)"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--model", default=None, help="a Hub id or folder (None: the embedded SmolLM2-135M)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="folder for JSON, Markdown, PNGs"
     )
     parser.add_argument(
         "--no-reexec", action="store_true", help="do not restart with the CPU malloc settings"
     )
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -122,7 +141,7 @@ BEFORE_THE_KEY = {"draft_schedules": ["adaptive"]}
 def run_settings(args: argparse.Namespace) -> dict:
     """What a run records about itself, as JSON values. The draft schedules are recorded as run (the default
     schedule when none is named), so that a change of `VeriCacheConfig`'s default is a change of settings."""
-    from ..config import VeriCacheConfig
+    from vericache_hf import VeriCacheConfig
 
     settings = {key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items() if key != "run"}
     settings["draft_schedules"] = args.draft_schedules or [VeriCacheConfig().draft_schedule]
@@ -180,10 +199,10 @@ def save_in_progress(out_dir: Path, settings: dict, samples: list) -> None:
 
 def code_version() -> str:
     """The package version, and the git commit when run from a checkout (`+dirty` with uncommitted changes)."""
-    from .. import __version__
+    from vericache_hf import __version__
 
     root = Path(__file__).resolve().parents[3]  # the checkout, for an editable install
-    if not (root / "src" / "vericache_hf").is_dir():
+    if not (root / "src" / "vericache_tools").is_dir():
         return __version__  # installed from a wheel: no checkout to ask
     try:
         commit = subprocess.run(
@@ -202,7 +221,7 @@ def _reexec_with_cpu_env(args: argparse.Namespace) -> None:
         return
     env = {**os.environ, **missing, "VERICACHE_BENCH_REEXEC": "1"}
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "vericache_hf.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "vericache_tools.cli", *sys.argv[1:]], env)
 
 
 def _load(name: str | None):
