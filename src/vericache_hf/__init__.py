@@ -6,6 +6,7 @@ drafts on a compressed KV cache and verifies against the full one, so greedy out
 
 from .cache import VeriCache
 from .cache.refresh import RefreshPolicy
+from .cache.transfer import TransferError
 from .compressors import Compressor, available_compressors
 from .config import VeriCacheConfig
 from .decoding import VeriCacheGenerateOutput, generate
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Compressor",
     "RefreshPolicy",
+    "TransferError",
     "VeriCache",
     "VeriCacheConfig",
     "VeriCacheGenerateOutput",

@@ -3,6 +3,8 @@ error that names it."""
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any
 
 
@@ -13,9 +15,22 @@ def check_int(name: str, value: Any, low: int = 1, why: str = "") -> None:
 
 
 def check_seconds(name: str, value: Any) -> None:
-    """Refuse `name` unless it is a positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+    """Refuse `name` unless it is a positive, finite number of seconds (inf overflows a thread wait and nan never
+    compares, so neither can bound a wait)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{name} must be a positive number of seconds; pass a finite number of seconds (not inf or nan), "
+            f"got {value!r}."
+        )
+    if value > threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"{name} must be at most threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:.0f}) seconds, got {value!r}."
+        )
 
 
 def check_budget(name: str, budget: Any) -> None:

@@ -64,6 +64,7 @@ class VeriCacheConfig:
 
     def __post_init__(self) -> None:
         from .cache.refresh import RefreshPolicy
+        from .compressors import check_compressor_spec
 
         if self.refresh is not None and not isinstance(self.refresh, RefreshPolicy):
             raise TypeError(
@@ -71,6 +72,8 @@ class VeriCacheConfig:
             )
         check_ratio("compression_ratio", self.compression_ratio)
         check_budget("compression_budget", self.compression_budget)
+        # The compressor is checked, not built: a bad name or list entry is refused here rather than at generate.
+        check_compressor_spec(self.compressor, self.compression_budget, self.compressor_kwargs)
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
         check_seconds("transfer_timeout", self.transfer_timeout)

@@ -17,7 +17,11 @@ from .config import VeriCacheConfig
 from .decoding import generate as vericache_decoding
 
 MODE = "vericache"
-_stock_generate = GenerationMixin.generate
+#: Set on `generate_with_modes` to the stock `generate` it wraps. `importlib.reload` of this module runs this line
+#: again while `GenerationMixin.generate` is the old wrapper; taking the wrapper's stock function instead of the
+#: wrapper keeps a reload from wrapping the wrapper (which would recurse forever).
+STOCK_ATTRIBUTE = "__wrapped_stock__"
+_stock_generate = getattr(GenerationMixin.generate, STOCK_ATTRIBUTE, GenerationMixin.generate)
 
 
 def _take_stop_strings(model, kwargs: dict) -> None:
@@ -82,6 +86,9 @@ def generate_with_modes(self, *args, generation_mode: str | None = None, **kwarg
     return vericache_generate(self, *args, **kwargs)
 
 
+setattr(generate_with_modes, STOCK_ATTRIBUTE, _stock_generate)
+
+
 def set_default_mode(model, vericache_config=None) -> None:
     """Make VeriCache the model's default decoding, saved by `save_pretrained` with its generation config.
 
@@ -96,6 +103,7 @@ def set_default_mode(model, vericache_config=None) -> None:
 
 
 def register() -> None:
-    """Install the `generation_mode` kwarg on every transformers model (idempotent)."""
+    """Install the `generation_mode` kwarg on every transformers model (idempotent, also after a reload of this
+    module: the wrapper then replaces the old one, both wrapping the same stock `generate`)."""
     if GenerationMixin.generate is not generate_with_modes:
         GenerationMixin.generate = generate_with_modes

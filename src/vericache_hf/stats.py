@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+MIB = 1024 * 1024
+
 
 @dataclass
 class VeriCacheStats:
@@ -57,6 +59,17 @@ class VeriCacheStats:
         if not self.transfer_seconds:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self.transfer_wait_seconds / self.transfer_seconds))
+
+    def __str__(self) -> str:
+        """One line for a log or a notebook; `repr` keeps every counter."""
+        text = (
+            f"VeriCacheStats: {self.rounds} rounds ({self.plain_rounds} plain), "
+            f"{self.mean_accepted_per_round:.1f} accepted/round, {self.emitted_tokens} tokens; "
+            f"{self.bytes_to_device / MIB:.1f} MiB to device, {self.bytes_to_host / MIB:.1f} MiB to host"
+        )
+        if self.transfer_seconds:
+            text += f"; {self.transfer_hidden_share:.0%} of transfer time hidden"
+        return text
 
     def record_round(self, draft_length: int, accepted: list[int]) -> None:
         self.rounds += 1
