@@ -104,7 +104,9 @@ def test_stats_are_reported_and_accumulated(llama):
     stats = out.vericache_stats
     assert stats.rounds > 0 and stats.drafted_tokens >= stats.accepted_tokens
     assert stats.emitted_tokens == 30
-    assert stats.chunk_transfers > 0 and stats.draft_tier_bytes < stats.full_tier_bytes
+    assert (
+        stats.draft_tier_bytes < stats.full_tier_bytes
+    )  # on the CPU the full tier is read in place: no transfers
     # the default schedule follows the clock, so the two calls may split their 30 tokens into different rounds
     for name in ("rounds", "plain_rounds", "drafted_tokens", "emitted_tokens"):
         assert getattr(total, name) == getattr(stats, name) + getattr(again.vericache_stats, name), name

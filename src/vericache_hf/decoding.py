@@ -16,7 +16,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache.vericache import VeriCache
 from .compat import CACHE_OUTPUT_FIELD
-from .compressors import CompressionContext, build_compressor
+from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import draft_length_schedule
 from .loop import DecodeIO, Sequences, decode
@@ -96,7 +96,7 @@ def generate(
         keep_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keep_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
-    with _capture_layer_inputs(model, cache, enabled=compressor.needs_hidden_states):
+    try:
         seqs = decode(
             model,
             cache,
@@ -106,6 +106,8 @@ def generate(
             io,
             draft_length_schedule(config, sampling=io.do_sample),
         )
+    finally:
+        cache.close()
     if streamer is not None:
         streamer.end()
     if config.stats is not None:
@@ -124,45 +126,3 @@ def _outputs(seqs: Sequences, generation_config: GenerationConfig, cache: VeriCa
         vericache_stats=stats,
         **{CACHE_OUTPUT_FIELD: cache},
     )
-
-
-class _capture_layer_inputs:
-    """During prefill, hand each attention layer's input (hidden states and kwargs) to its cache layer, for
-    compressors that score with queries (SnapKV). Hooks are removed on exit, even on error."""
-
-    def __init__(self, model, cache: VeriCache, enabled: bool) -> None:
-        self.model, self.cache, self.enabled = model, cache, enabled
-        self.handles: list = []
-
-    def _hook(self, module, args, kwargs):
-        if self.cache.mode != "prefill":
-            return
-        hidden = args[0] if args else kwargs["hidden_states"]
-        layer = self.cache.layers[module.layer_idx]
-        layer.context = CompressionContext(
-            layer_idx=module.layer_idx,
-            valid=self.cache.prompt_valid,
-            model=self.model,
-            module=module,
-            hidden_states=hidden,
-            attention_kwargs=kwargs,
-        )
-
-    def __enter__(self):
-        if self.enabled:
-            for module in self.model.modules():
-                if hasattr(module, "q_proj") and hasattr(module, "layer_idx"):
-                    self.handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
-            if len(self.handles) != self.model.config.num_hidden_layers:
-                self.__exit__()
-                raise ValueError(
-                    "This compressor scores tokens with the layer's queries, but the model's attention modules "
-                    "(with q_proj and layer_idx) were not all found. Use a query-free compressor such as 'kivi' "
-                    "or 'streaming_llm'."
-                )
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()

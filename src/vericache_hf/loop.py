@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .cache.attention import streamed_verify
 from .cache.vericache import VeriCache
 from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule
@@ -80,22 +79,16 @@ def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor, logits: torch.T
 
 
 def forward(model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier `cache.mode` selects. A verify pass
-    attends to the full tier chunk by chunk as it streams in (`cache/attention.py`)."""
+    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier of the cache's current phase."""
     query = tokens.shape[-1]
-    position_ids = positions[:, None] + torch.arange(query, device=positions.device)
-    inputs = dict(
+    outputs = model(
         input_ids=tokens,
-        position_ids=position_ids,
+        position_ids=positions[:, None] + torch.arange(query, device=positions.device),
+        attention_mask=cache.attention_mask(query),
         **cache_kwargs(model, cache),
         use_cache=True,
         logits_to_keep=query,
     )
-    if cache.mode == "verify":
-        with streamed_verify(model):
-            outputs = model(**inputs, vericache_chunks=cache.chunks_for_verify)
-    else:
-        outputs = model(**inputs, attention_mask=cache.attention_mask(query))
     return outputs.logits[:, -query:]
 
 
@@ -121,29 +114,26 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     """Run the prompt once on the full tier (the compressor builds the draft tier as each layer's K/V arrive);
     emit the first token. Returns the (B,) pending tokens and their positions."""
     prompt_valid = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    cache.start(prompt_valid)
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        **cache_kwargs(model, cache),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    with cache.prefilling(model, prompt_valid):
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     raw = outputs.logits[:, -1].float()
     scores = process(io, seqs, input_ids[:, :0], raw)
     first = choose(scores, io.do_sample)
     for row in range(input_ids.shape[0]):
         emit(io, seqs, row, first[row], scores[row], raw[row])
-    cache.mode = "draft"
     return first, prompt_valid.long().sum(dim=-1)
 
 
 def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
     """k steps on the draft tier, choosing from the processed draft distribution as stock `generate` would;
     returns (B, k) drafted tokens and, when sampling, their (B, k, V) draft probabilities."""
-    cache.prefetch_for_verify()  # the full tier's first chunks copy to the device while the draft runs
-    cache.set_mode("draft")
     drafts = pending.new_empty((pending.shape[0], k))
     probs = [] if io.do_sample else None
     token = pending
@@ -161,7 +151,6 @@ def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seq
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
     """One pass over [pending + drafts] on the full tier; returns raw logits and processed scores (B, k+1, V),
     position s processed with each row's prefix plus its first s drafts."""
-    cache.set_mode("verify")
     block = torch.cat([pending[:, None], drafts], dim=-1)
     raw = forward(model, cache, block, positions).float()  # (B, k+1, V)
     if not io.logits_processor:
@@ -201,12 +190,14 @@ def decode(
         k = max(0, min(schedule.current, room - 1))
 
         started = time.perf_counter()
-        drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
+        with cache.drafting(k):  # the full tier streams to the device meanwhile
+            drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
         if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
             torch.cuda.current_stream(drafts.device).synchronize()
         draft_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
+        with cache.verifying():
+            raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
         accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
         verify_seconds = time.perf_counter() - started
         stats.draft_seconds += draft_seconds

@@ -1,11 +1,12 @@
 """The full tier: every committed token's exact K/V for one layer, kept off the accelerator.
 
-Storage is a list of fixed-size chunks in host memory (pinned when CUDA is present, so host->device copies can run
-asynchronously). Appends write in place into the tail chunk, growing by whole chunks, so nothing already stored is
-ever copied again; rollback is a length change.
+Storage is one (B, H_kv, capacity, D) buffer per keys and values in host memory (pinned when CUDA is present, so
+host->device copies can run asynchronously), grown by whole chunks of `chunk_tokens`, geometrically. Appends write in
+place past `length`; rollback is a length change. A verify pass on the CPU reads the buffer itself: its new tokens
+are written after `length` (`extend_view`), and a commit only moves the length (`commit_in_place`).
 
-A transfer to the device reads a `HostSnapshot`: the chunk list and length at the moment it was requested. Appends
-only write past that length (and may add chunks the snapshot does not list), so they never race with a transfer in
+A transfer to the device reads a `HostSnapshot`: the buffers and the length at the moment it was requested. Appends
+only write past that length, and growing moves later appends to new buffers, so neither races with a transfer in
 flight. Truncation could let a later append overwrite slots a transfer is still reading, so it is refused while any
 transfer of the store is in flight.
 """
@@ -24,52 +25,49 @@ def pinned_memory_available() -> bool:
     return torch.cuda.is_available()
 
 
+def round_up(tokens: int, granule: int) -> int:
+    return -(-max(tokens, 1) // granule) * granule
+
+
 @dataclass(frozen=True)
 class HostSnapshot:
-    """The first `length` tokens of a store, as (B, H_kv, chunk_tokens, D) key/value chunks."""
+    """The first `length` tokens of a store, in its (B, H_kv, capacity, D) key/value buffers."""
 
     length: int
-    chunk_tokens: int
-    key_chunks: tuple[torch.Tensor, ...]
-    value_chunks: tuple[torch.Tensor, ...]
+    keys: torch.Tensor
+    values: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """(batch, heads, key_dim, value_dim) of the stored tokens."""
-        keys, values = self.key_chunks[0], self.value_chunks[0]
-        return keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]
+        return self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.key_chunks[0].dtype
+        return self.keys.dtype
 
     def nbytes(self) -> int:
         batch, heads, key_dim, value_dim = self.shape
-        return self.length * batch * heads * (key_dim + value_dim) * self.key_chunks[0].element_size()
+        return self.length * batch * heads * (key_dim + value_dim) * self.keys.element_size()
 
-    @property
-    def num_chunks(self) -> int:
-        return len(self.key_chunks)
+    def copy_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
+        """Copy the stored tokens into the first slots of (B, H, >=length, D) buffers; returns the bytes moved.
 
-    def chunk_span(self, chunk: int) -> tuple[int, int]:
-        """(first token, token count) of chunk `chunk`."""
-        start = chunk * self.chunk_tokens
-        return start, min(self.chunk_tokens, self.length - start)
-
-    def copy_chunk_into(self, chunk: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
-        """Copy chunk `chunk`'s tokens into the first slots of (B, H, >=chunk_tokens, D) buffers; returns the bytes
-        moved. Copies are `non_blocking`: on CUDA with pinned chunks they run on the caller's current stream."""
-        _, take = self.chunk_span(chunk)
-        keys, values = self.key_chunks[chunk][:, :, :take], self.value_chunks[chunk][:, :, :take]
-        keys_out[:, :, :take].copy_(keys, non_blocking=True)
-        values_out[:, :, :take].copy_(values, non_blocking=True)
-        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        One copy per (row, head): each is a contiguous block on both sides, so on CUDA with pinned memory every copy
+        is an asynchronous DMA on the caller's current stream (a strided slice would go through a pageable
+        temporary and block)."""
+        for source, target in ((self.keys, keys_out), (self.values, values_out)):
+            rows_in = source.flatten(0, 1)  # (B*H, capacity, D)
+            rows_out = target.flatten(0, 1)
+            for row in range(rows_in.shape[0]):
+                rows_out[row, : self.length].copy_(rows_in[row, : self.length], non_blocking=True)
+        return self.nbytes()
 
 
 class HostKVStore:
-    """Append-only, chunked K/V store of one layer: keys/values laid out as (B, H_kv, T, D) across chunks."""
+    """Append-only K/V store of one layer: keys/values laid out as (B, H_kv, T, D) in one growable buffer."""
 
-    def __init__(self, chunk_tokens: int = 1024, pin_memory: bool | None = None) -> None:
+    def __init__(self, chunk_tokens: int = 2048, pin_memory: bool | None = None) -> None:
         check_int("chunk_tokens", chunk_tokens)
         if pin_memory and not pinned_memory_available():
             raise ValueError(
@@ -77,39 +75,63 @@ class HostKVStore:
             )
         self.chunk_tokens = chunk_tokens
         self.pin_memory = pinned_memory_available() if pin_memory is None else pin_memory
-        self.key_chunks: list[torch.Tensor] = []
-        self.value_chunks: list[torch.Tensor] = []
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
         self.length = 0
         self.transfers_in_flight = 0
 
     @property
     def capacity(self) -> int:
-        return len(self.key_chunks) * self.chunk_tokens
+        return 0 if self.keys is None else self.keys.shape[2]
 
-    def _new_chunk(self, like: torch.Tensor) -> torch.Tensor:
-        batch, heads, _, dim = like.shape
-        return torch.empty(
-            (batch, heads, self.chunk_tokens, dim), dtype=like.dtype, device="cpu", pin_memory=self.pin_memory
+    def reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make room for `needed` tokens shaped like (B, H, *, D) `keys`/`values`, doubling at least."""
+        if needed <= self.capacity:
+            return
+        capacity = round_up(max(needed, 2 * self.capacity), self.chunk_tokens)
+        old = (self.keys, self.values)
+        self.keys, self.values = (
+            torch.empty(
+                (*like.shape[:2], capacity, like.shape[3]),
+                dtype=like.dtype,
+                device="cpu",
+                pin_memory=self.pin_memory,
+            )
+            for like in (keys, values)
         )
+        if old[0] is not None and self.length:
+            if self.pin_memory:  # appends from the device may still be in flight into the old buffers
+                torch.cuda.current_stream().synchronize()
+            self.keys[:, :, : self.length] = old[0][:, :, : self.length]
+            self.values[:, :, : self.length] = old[1][:, :, : self.length]
+
+    def _write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> int:
+        count = keys.shape[-2]
+        self.reserve(at + count, keys, values)
+        self.keys[:, :, at : at + count].copy_(keys, non_blocking=True)
+        self.values[:, :, at : at + count].copy_(values, non_blocking=True)
+        return keys.element_size() * keys.numel() + values.element_size() * values.numel()
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Write (B, H, n, D) keys/values after the stored ones; returns the bytes moved to the host."""
-        count = keys.shape[-2]
-        while self.capacity < self.length + count:
-            self.key_chunks.append(self._new_chunk(keys))
-            self.value_chunks.append(self._new_chunk(values))
-        written = 0
-        while written < count:
-            chunk, offset = divmod(self.length + written, self.chunk_tokens)
-            take = min(count - written, self.chunk_tokens - offset)
-            source = slice(written, written + take)
-            self.key_chunks[chunk][:, :, offset : offset + take].copy_(keys[:, :, source], non_blocking=True)
-            self.value_chunks[chunk][:, :, offset : offset + take].copy_(
-                values[:, :, source], non_blocking=True
-            )
-            written += take
+        written = self._write(self.length, keys, values)
+        self.length += keys.shape[-2]
+        return written
+
+    def extend_view(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write uncommitted (B, H, q, D) keys/values after the stored ones, without committing them; return
+        views of the stored tokens followed by these (what a verify pass on the CPU attends to, copy-free)."""
+        if self.transfers_in_flight:
+            raise RuntimeError("a verify pass may not write into a full tier that is being transferred.")
+        self._write(self.length, keys, values)
+        end = self.length + keys.shape[-2]
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def commit_in_place(self, count: int) -> int:
+        """Keep the first `count` tokens written by `extend_view`; returns their bytes."""
         self.length += count
-        return keys.element_size() * keys.numel() + values.element_size() * values.numel()
+        batch, heads, _, key_dim = self.keys.shape
+        return count * batch * heads * (key_dim + self.values.shape[3]) * self.keys.element_size()
 
     def truncate(self, length: int) -> None:
         """Roll back to `length` tokens: only the counter moves."""
@@ -126,11 +148,12 @@ class HostKVStore:
         """The stored tokens as they are now, for a transfer to read while later tokens are appended."""
         if not self.length:
             raise ValueError("the full-tier store is empty: run the prefill pass before verifying.")
-        used = -(-self.length // self.chunk_tokens)
-        return HostSnapshot(
-            self.length, self.chunk_tokens, tuple(self.key_chunks[:used]), tuple(self.value_chunks[:used])
-        )
+        return HostSnapshot(self.length, self.keys, self.values)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, length, D) views of the stored tokens, on the host."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def nbytes(self) -> int:
-        """Host bytes held by the stored tokens (not the unused tail of the last chunk)."""
+        """Host bytes held by the stored tokens (not the unused capacity)."""
         return self.snapshot().nbytes() if self.length else 0

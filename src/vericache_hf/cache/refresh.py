@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..checks import check_int
-from ..compressors.base import CompressionContext, Compressor
+from .compressor import CompressionContext, Compressor
 
 
 def check_refreshable(compressor: Compressor) -> None:

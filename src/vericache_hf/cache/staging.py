@@ -1,9 +1,9 @@
-"""Device staging buffers for verification: the full tier is brought in one chunk of one layer at a time.
+"""Device staging buffers for verification: the full tier is brought in one layer at a time.
 
-A fixed number of buffer slots (default 2) exists; a chunk's transfer must hold a slot, and gives it back once the
-verify pass has attended to that chunk. Each slot holds at most one chunk (`chunk_tokens` tokens), so device memory
-for the full tier is at most `num_buffers` chunks, whatever the context length and the number of layers. (A context
-shorter than a chunk gets buffers of its own size, in whole granules.)
+A fixed number of buffer slots (default 2) exists; a layer's transfer must hold a slot, and gives it back once the
+verify pass has attended to that layer. A slot holds one layer's stored tokens plus room for the tokens the verify
+pass checks, which attention then reads as one (B, H, T, D) tensor, as stock attention expects. Device memory for
+the full tier is therefore `num_buffers` layers, whatever the number of layers.
 """
 
 from __future__ import annotations
@@ -13,21 +13,22 @@ from collections import deque
 import torch
 
 from ..checks import check_int
+from .full_tier import round_up
 
-#: Buffers for contexts shorter than a chunk are sized in whole granules, so they are replaced rarely as it grows.
+#: Buffers grow in whole granules, and a quarter ahead, so they are replaced rarely as the context grows.
 GRANULE_TOKENS = 256
 
 
-def buffer_tokens(stored: int, chunk_tokens: int) -> int:
-    """Token capacity of a staging buffer for a layer of `stored` tokens kept in `chunk_tokens`-token chunks."""
-    return min(chunk_tokens, -(-max(stored, 1) // GRANULE_TOKENS) * GRANULE_TOKENS)
+def buffer_tokens(needed: int) -> int:
+    """Token capacity of a new staging buffer that must hold `needed` tokens."""
+    return round_up(needed + needed // 4, GRANULE_TOKENS)
 
 
 class StagingBuffers:
     """`num_buffers` slots, each holding at most one (keys, values) buffer pair per device."""
 
     def __init__(self, num_buffers: int = 2) -> None:
-        check_int("staging buffers", num_buffers, why=" (2 let one chunk copy while another is read)")
+        check_int("staging buffers", num_buffers, why=" (2 let one layer copy while another is read)")
         self.num_buffers = num_buffers
         self.free: deque[int] = deque(range(num_buffers))
         self.pairs: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -52,17 +53,19 @@ class StagingBuffers:
         device: torch.device,
         dtype: torch.dtype,
         shape: tuple[int, int, int, int],
-        tokens: int,
+        needed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's (B, H, >=tokens, D) key/value buffers on `device`; `shape` is (batch, heads, key_dim, value_dim).
-        A slot's buffers are reused while they are large enough for the same shape, and replaced otherwise."""
+        """The slot's (B, H, >=needed, D) key/value buffers on `device`; `shape` is (batch, heads, key_dim,
+        value_dim). A slot's buffers are reused while they are large enough for the same shape, else replaced."""
         batch, heads, key_dim, value_dim = shape
         current = self.pairs.get((slot, device))
         if current is not None:
             keys, values = current
             same = (keys.shape[:2], keys.shape[3], values.shape[3]) == ((batch, heads), key_dim, value_dim)
-            if same and keys.dtype == dtype and keys.shape[2] >= tokens:
+            if same and keys.dtype == dtype and keys.shape[2] >= needed:
                 return current
+            del self.pairs[(slot, device)], current, keys, values  # free the old pair before allocating
+        tokens = buffer_tokens(needed)
         keys = torch.empty((batch, heads, tokens, key_dim), dtype=dtype, device=device)
         values = torch.empty((batch, heads, tokens, value_dim), dtype=dtype, device=device)
         self.pairs[(slot, device)] = (keys, values)

@@ -1,11 +1,10 @@
-"""The transfer engine: a queue of chunk transfers (host full tier -> device staging buffer) served by one worker.
+"""The transfer engine: a queue of layer transfers (host full tier -> device staging buffer) served by one worker.
 
-It belongs to no request: any cache may `submit` a layer's chunks, in the order it will read them. A transfer waits
-in the backlog until a staging slot is free (backpressure: at most `num_buffers` chunks are on the device), then
-the worker thread copies it. With CUDA the copy runs on a dedicated stream and the consumer's stream waits on an
-event, so the host never blocks on the copy. When the device is the CPU the full tier already lies in its memory:
-a transfer is then ready at once and hands out views of the host chunks, unless `stage_on_cpu=True` asks for the
-accelerator's path (buffers, queue and worker thread, with plain copies), which is how that path is tested here.
+It belongs to no request: any cache may `submit` its layers, in the order it will read them. A transfer waits in
+the backlog until a staging slot is free (backpressure: at most `num_buffers` layers are on the device), then the
+worker thread copies it. With CUDA the copy runs on a dedicated stream and the consumer's stream waits on an event,
+so the host never blocks on the copy. On a CPU-only machine the same path runs with plain copies, which is how it is
+tested here (a cache whose layers live on the CPU reads its full tier in place and needs no engine).
 
 Life of a transfer: backlog -> queued (holds a slot) -> copying -> ready -> released (slot free again); or failed /
 cancelled. The worker starts on demand and exits when its queue is empty, so an idle engine holds no thread.
@@ -25,7 +24,7 @@ import torch
 
 from ..checks import check_seconds
 from .full_tier import HostKVStore, HostSnapshot
-from .staging import StagingBuffers, buffer_tokens
+from .staging import StagingBuffers
 
 _ALL = object()
 WORKER_THREAD_NAME = "vericache-transfer"  # one per engine while it has copies to make
@@ -36,13 +35,13 @@ class TransferError(RuntimeError):
 
 
 @dataclass(eq=False)
-class ChunkTransfer:
-    """One chunk of one layer's full tier on its way to the device."""
+class LayerTransfer:
+    """One layer's full tier on its way to the device, into a buffer with `room` free slots after it."""
 
     store: HostKVStore
     snapshot: HostSnapshot
-    chunk: int
     device: torch.device
+    room: int = 0
     group: Any = None
     label: Any = None
     state: str = "backlog"
@@ -61,18 +60,13 @@ class ChunkTransfer:
     events: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def start(self) -> int:
-        """Index of the chunk's first token in the layer."""
-        return self.snapshot.chunk_span(self.chunk)[0]
-
-    @property
     def tokens(self) -> int:
-        """Tokens the chunk holds."""
-        return self.snapshot.chunk_span(self.chunk)[1]
+        """Tokens the transfer copies."""
+        return self.snapshot.length
 
     @property
     def name(self) -> str:
-        return f"layer {self.label}, chunk {self.chunk}"
+        return f"layer {self.label}"
 
 
 def _cuda(device: torch.device) -> bool:
@@ -84,16 +78,15 @@ def _timing_event():
 
 
 class TransferEngine:
-    """Chunk transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
+    """Layer transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
 
-    def __init__(self, num_buffers: int = 2, timeout: float = 60.0, stage_on_cpu: bool = False) -> None:
+    def __init__(self, num_buffers: int = 2, timeout: float = 60.0) -> None:
         check_seconds("transfer timeout", timeout)
         self.buffers = StagingBuffers(num_buffers)
         self.timeout = float(timeout)
-        self.stage_on_cpu = stage_on_cpu
         self._lock = threading.RLock()
-        self._backlog: deque[ChunkTransfer] = deque()
-        self._queue: deque[ChunkTransfer] = deque()
+        self._backlog: deque[LayerTransfer] = deque()
+        self._queue: deque[LayerTransfer] = deque()
         self._thread: threading.Thread | None = None
         self._last_thread: threading.Thread | None = None
         self._streams: dict[torch.device, Any] = {}
@@ -101,42 +94,40 @@ class TransferEngine:
 
     # -- the consumer's side ------------------------------------------------------------------------------------
     def submit(
-        self, store: HostKVStore, device: torch.device | str, group: Any = None, label: Any = None
-    ) -> list[ChunkTransfer]:
-        """Queue copies of `store`'s chunks as they are now, one transfer per chunk; transfers are served in
-        submission order. `label` names the layer in errors."""
+        self,
+        store: HostKVStore,
+        device: torch.device | str,
+        group: Any = None,
+        label: Any = None,
+        room: int = 0,
+    ) -> LayerTransfer:
+        """Queue a copy of `store` as it is now into a device buffer with `room` free slots after it (for the
+        tokens the verify pass checks); transfers are served in submission order. `label` names the layer in
+        errors."""
         snapshot, device = store.snapshot(), torch.device(device)
         events = {}
-        if _cuda(device):  # the copies must follow the non-blocking appends queued on this stream
+        if _cuda(device):  # the copy must follow the non-blocking appends queued on this stream
             events["submitted"] = torch.cuda.Event()
             events["submitted"].record(torch.cuda.current_stream(device))
-        inference_mode = torch.is_inference_mode_enabled()
-        transfers = [
-            ChunkTransfer(
-                store,
-                snapshot,
-                chunk,
-                device,
-                group,
-                label,
-                inference_mode=inference_mode,
-                events=dict(events),
-            )
-            for chunk in range(snapshot.num_chunks)
-        ]
+        transfer = LayerTransfer(
+            store,
+            snapshot,
+            device,
+            room,
+            group,
+            label,
+            inference_mode=torch.is_inference_mode_enabled(),
+            events=events,
+        )
         with self._lock:
-            store.transfers_in_flight += len(transfers)
-            if device.type == "cpu" and not self.stage_on_cpu:
-                for transfer in transfers:
-                    self._read_in_place(transfer)
-                return transfers
-            self._backlog.extend(transfers)
+            store.transfers_in_flight += 1
+            self._backlog.append(transfer)
             self._dispatch()
-        return transfers
+        return transfer
 
-    def wait(self, transfer: ChunkTransfer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block until the transfer's buffers are ready for the current stream; returns (B, H, tokens, D) views of
-        the chunk's stored tokens. Raises `TransferError` within the timeout."""
+    def wait(self, transfer: LayerTransfer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until the transfer's buffers are ready for the current stream; returns its (B, H, capacity, D)
+        buffers, whose first `transfer.tokens` slots hold the layer. Raises `TransferError` within the timeout."""
         started = time.perf_counter()
         if not transfer.done.wait(self.timeout):
             self.cancel(transfer.group)
@@ -159,10 +150,9 @@ class TransferEngine:
             stream.wait_event(transfer.events["ready"])
             after.record(stream)
             transfer.events.update(before=before, after=after)
-        take = transfer.tokens
-        return transfer.keys[:, :, :take], transfer.values[:, :, :take]
+        return transfer.keys, transfer.values
 
-    def release(self, transfer: ChunkTransfer) -> None:
+    def release(self, transfer: LayerTransfer) -> None:
         """The consumer is done reading the transfer's buffers (or no longer wants them): free its slot."""
         with self._lock:
             if transfer.state in ("backlog", "queued"):
@@ -185,7 +175,7 @@ class TransferEngine:
             transfer.store.transfers_in_flight -= 1
             self._dispatch()
 
-    def settle(self, transfer: ChunkTransfer) -> None:
+    def settle(self, transfer: LayerTransfer) -> None:
         """Fill in `seconds` and `waited` from CUDA events (blocks until they have run); nothing to do on CPU."""
         if not transfer.timed.wait(self.timeout):
             raise TransferError(f"the timing of {transfer.name}'s transfer never arrived.")
@@ -213,17 +203,7 @@ class TransferEngine:
         return thread is not None and thread.is_alive()
 
     # -- the engine's side --------------------------------------------------------------------------------------
-    @staticmethod
-    def _read_in_place(transfer: ChunkTransfer) -> None:
-        """A CPU consumer reads the host chunk itself: no slot, no copy, nothing for the worker. The transfer still
-        counts as in flight until released, so the store cannot be truncated under the reader."""
-        transfer.keys = transfer.snapshot.key_chunks[transfer.chunk]
-        transfer.values = transfer.snapshot.value_chunks[transfer.chunk]
-        transfer.state = "ready"
-        transfer.done.set()
-        transfer.timed.set()
-
-    def _cancel_one(self, transfer: ChunkTransfer, error: BaseException) -> None:
+    def _cancel_one(self, transfer: LayerTransfer, error: BaseException) -> None:
         for line in (self._backlog, self._queue):
             if transfer in line:
                 line.remove(transfer)
@@ -246,9 +226,8 @@ class TransferEngine:
             transfer = self._backlog.popleft()
             transfer.slot, transfer.state = slot, "queued"
             snapshot = transfer.snapshot
-            tokens = buffer_tokens(snapshot.length, snapshot.chunk_tokens)
             transfer.keys, transfer.values = self.buffers.buffers(
-                slot, transfer.device, snapshot.dtype, snapshot.shape, tokens
+                slot, transfer.device, snapshot.dtype, snapshot.shape, snapshot.length + transfer.room
             )
             self._queue.append(transfer)
         if self._queue and self._thread is None:
@@ -278,10 +257,10 @@ class TransferEngine:
                 transfer.seconds = transfer.events["start"].elapsed_time(transfer.events["end"]) / 1000
             transfer.timed.set()
 
-    def _copy(self, transfer: ChunkTransfer, freed: Any) -> None:
+    def _copy(self, transfer: LayerTransfer, freed: Any) -> None:
         started = time.perf_counter()
         if not _cuda(transfer.device):
-            transfer.bytes = transfer.snapshot.copy_chunk_into(transfer.chunk, transfer.keys, transfer.values)
+            transfer.bytes = transfer.snapshot.copy_into(transfer.keys, transfer.values)
             transfer.seconds = time.perf_counter() - started
             return
         stream = self._streams.get(transfer.device)
@@ -291,16 +270,16 @@ class TransferEngine:
         with torch.cuda.stream(stream):
             stream.wait_event(transfer.events["submitted"])
             if freed is not None:
-                stream.wait_event(freed)  # the slot's previous chunk has been read
+                stream.wait_event(freed)  # the slot's previous layer has been read
             start.record(stream)
-            transfer.bytes = transfer.snapshot.copy_chunk_into(transfer.chunk, transfer.keys, transfer.values)
+            transfer.bytes = transfer.snapshot.copy_into(transfer.keys, transfer.values)
             end.record(stream)
             ready.record(stream)
         transfer.keys.record_stream(stream)
         transfer.values.record_stream(stream)
         transfer.events.update(start=start, end=end, ready=ready)
 
-    def _fail(self, transfer: ChunkTransfer, error: BaseException) -> None:
+    def _fail(self, transfer: LayerTransfer, error: BaseException) -> None:
         with self._lock:
             if transfer.slot is not None:  # its buffers hold garbage: free the slot now
                 self.buffers.release(transfer.slot)

@@ -1,40 +1,45 @@
 """`VeriCache`: a transformers `Cache` whose layers pair a draft tier (compressed, on device) with a full tier (exact,
-on the host). The loop sets the `mode` before each forward pass, and attention writes to the tier that pass uses:
+on the host), driven through explicit phases. Each phase is a context manager that owns its setup and undoes it on
+exit, error included; nothing outside this class writes the phase.
 
-- `prefill`: the prompt's exact K/V go to the full tier, and the compressor builds the draft tier from them;
-- `draft`:   drafted tokens go after the draft tier's committed slots;
-- `verify`:  the new tokens' exact K/V are kept as `pending` until `commit` decides how many were accepted, and
-             attention (`cache/attention.py`) reads the full tier chunk by chunk from `chunks_for_verify`.
+- `prefilling(model, valid)`: the prompt's exact K/V go to the full tier and the compressor builds the draft tier
+  from them (with each layer's input captured, for compressors that score with queries);
+- `drafting(k)`: drafted tokens go after the draft tier's committed slots; the full tier starts streaming to the
+  device for the next verify pass; on exit the drafts are rolled back (the draft tier holds only committed tokens);
+- `verifying()`: attention reads the whole full tier, then the new tokens, whose exact K/V are kept as pending;
+  `commit(count, valid)` then keeps as many of them as were accepted, in both tiers.
 
-Streaming the full tier: `prefetch_for_verify` (called when drafting starts) queues every layer's chunks, in the
-order the verify pass reads them, on the `TransferEngine`; the engine copies them into a bounded set of chunk-sized
-staging buffers, so the first chunks are on the device before the verify pass begins and chunk c+1 copies while
-chunk c computes. Once a chunk has been attended to, its buffer is released for the next transfer. This is valid
-because the full tier only changes at `commit`, which comes after the verify pass: a transfer queued after one
-commit and read before the next sees exactly the committed tokens (each transfer carries the length it copied,
-which is checked).
+Every forward is an ordinary transformers forward with stock attention: the cache hands attention one (B, H, T, D)
+tensor per layer, the draft tier's or the full tier's. Nothing about the model is changed, so calls on other
+threads (VeriCache or plain `generate`) are unaffected. A layer on the CPU reads its full tier in place; a layer on
+an accelerator gets it through the `TransferEngine`, layer by layer into staging buffers, queued when drafting
+starts so that the copies overlap the draft. The full tier only changes at `commit`, after the verify pass, so a
+transfer queued after one commit and read before the next sees exactly the committed tokens (checked).
 
 Every length this cache reports is *physical* (slots held), which is what transformers' mask code works in. Rows may
 hold masked slots (left padding, or tokens another row accepted that this row did not), so the loop always passes
-explicit `position_ids`, and a 2-D `attention_mask` built by `attention_mask()` when drafting.
+explicit `position_ids`, and the 2-D `attention_mask` built by `attention_mask()`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..compressors.base import CompressionContext, Compressor
 from ..stats import VeriCacheStats
+from .capture import LayerInputCapture
+from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
 from .refresh import RefreshPolicy, check_refreshable
-from .transfer import ChunkTransfer, TransferEngine
+from .transfer import LayerTransfer, TransferEngine
 
-MODES = ("prefill", "draft", "verify")
+#: Tokens a staging buffer leaves free after the full tier when no draft length was announced.
+DEFAULT_ROOM = 64
 
 
 class VeriCacheLayer(CacheLayerMixin):
@@ -50,52 +55,77 @@ class VeriCacheLayer(CacheLayerMixin):
         self.owner = owner
         self.full = HostKVStore(owner.chunk_tokens)
         self.draft: DraftStore | None = None
-        self.context: CompressionContext | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pending_in_place = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+
+    @property
+    def reads_in_place(self) -> bool:
+        """A layer on the CPU attends to its host full tier itself, unless `stage_on_cpu` asks for the copies."""
+        return self.device.type == "cpu" and not self.owner.stage_on_cpu
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        mode = self.owner.mode
-        if mode == "draft":
+        phase = self.owner.phase
+        if phase == "drafting":
             return self.draft.extend_draft(key_states, value_states)
-        if mode == "verify":  # attention reads the stored tokens from `chunks_for_verify`
-            self.pending = (key_states, value_states)
-            return key_states, value_states
-        return self._prefill(key_states, value_states)
+        if phase == "verifying":
+            return self._verify(key_states, value_states)
+        if phase == "prefilling":
+            return self._prefill(key_states, value_states)
+        raise RuntimeError(
+            f"a forward wrote to VeriCache layer {self.layer_idx} outside a phase; run it inside the cache's "
+            "prefilling(), drafting() or verifying() block."
+        )
 
     def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.full.length:
             raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
-        self.owner.stats.bytes_to_host += self.full.append(keys, values)
-        context = self.context or CompressionContext(layer_idx=self.layer_idx, valid=self.owner.prompt_valid)
-        self.context = None  # release the captured hidden states
+        owner = self.owner
+        owner.stats.bytes_to_host += self.full.append(keys, values)
+        context = owner.captured(self.layer_idx) or CompressionContext(self.layer_idx, owner.prompt_valid)
         started = time.perf_counter()
-        self.draft = self.owner.compressor.compress(keys, values, context)
-        self.owner.stats.compress_seconds += time.perf_counter() - started
+        self.draft = owner.compressor.compress(keys, values, context)
+        owner.stats.compress_seconds += time.perf_counter() - started
         return keys, values
 
+    def _verify(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full tier then the q new tokens, as one tensor each; the new tokens are kept as pending."""
+        self.pending = (keys, values)
+        self.pending_in_place = self.reads_in_place
+        if self.pending_in_place:
+            return self.full.extend_view(keys, values)
+        staged_keys, staged_values = self.owner.staged(self.layer_idx)
+        stored, end = self.full.length, self.full.length + keys.shape[-2]
+        if staged_keys.shape[2] < end:  # more tokens than the room announced when drafting started
+            staged_keys = torch.cat([staged_keys[:, :, :stored], keys], dim=2)
+            staged_values = torch.cat([staged_values[:, :, :stored], values], dim=2)
+            return staged_keys, staged_values
+        staged_keys[:, :, stored:end] = keys
+        staged_values[:, :, stored:end] = values
+        return staged_keys[:, :, :end], staged_values[:, :, :end]
+
     def commit(self, count: int, valid: torch.Tensor) -> None:
-        """Keep the first `count` verified tokens in both tiers; forget the drafts."""
+        """Keep the first `count` verified tokens in both tiers; forget the rest."""
         keys, values = self.pending
         keys, values = keys[:, :, :count], values[:, :, :count]
-        self.owner.stats.bytes_to_host += self.full.append(keys, values)
+        if self.pending_in_place:
+            self.owner.stats.bytes_to_host += self.full.commit_in_place(count)
+        else:
+            self.owner.stats.bytes_to_host += self.full.append(keys, values)
         self.draft.commit(keys, values, valid.to(keys.device))
         self.pending = None
 
     def get_seq_length(self) -> int:
-        mode = self.owner.mode
-        if mode == "draft":
+        if self.owner.phase == "drafting":
             return self.draft.num_committed + self.draft.num_drafted
-        if mode == "verify":
-            return self.full.length
-        return 0
+        return self.full.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -105,13 +135,13 @@ class VeriCacheLayer(CacheLayerMixin):
 
 
 class VeriCache(Cache):
-    """Two-tier cache for draft-then-verify decoding. Build one per `generate` call.
+    """Two-tier cache for draft-then-verify decoding. Build one per request.
 
-    `chunk_tokens` sizes the host chunks of the full tier, which are also the unit of transfer; `staging_buffers`
-    is how many chunks of the full tier may be on the device at once; `transfer_timeout` bounds every wait on a
-    transfer; `stage_on_cpu` copies the full tier through the staging buffers even when a layer's device is the
-    CPU, where by default it is read in place. Pass a shared `transfers` engine to serve several caches through one
-    queue (its own buffer count, timeout and `stage_on_cpu` then apply).
+    `chunk_tokens` is the granule the host full tier grows by; `staging_buffers` is how many layers of the full tier
+    may be on an accelerator at once; `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
+    full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
+    place. Pass a shared `transfers` engine to serve several caches through one queue (its own buffer count and
+    timeout then apply).
     """
 
     def __init__(
@@ -131,46 +161,100 @@ class VeriCache(Cache):
         self.refresh_policy = refresh_policy
         self.compressor = compressor
         self.chunk_tokens = chunk_tokens
+        self.stage_on_cpu = stage_on_cpu
         self.stats = stats if stats is not None else VeriCacheStats()
-        if transfers is None:
-            transfers = TransferEngine(staging_buffers, transfer_timeout, stage_on_cpu)
-        self.transfers = transfers
-        self.verify_round: list[list[ChunkTransfer]] | None = None
-        self.round_read = False
-        self.mode = "prefill"
+        self.transfers = (
+            transfers if transfers is not None else TransferEngine(staging_buffers, transfer_timeout)
+        )
+        self.phase = "idle"
         self.prompt_valid: torch.Tensor | None = None
         self.full_valid: torch.Tensor | None = None
+        self._capture: LayerInputCapture | None = None
+        self._round: dict[int, LayerTransfer] | None = None  # the next verify pass's transfers, by layer
+        self._staged: list[LayerTransfer] = []  # transfers the running verify pass has read
         super().__init__(layers=[VeriCacheLayer(i, self) for i in range(num_layers)])
 
-    def set_mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        if mode == "verify":
-            for layer in self.layers:
-                layer.draft.rollback_draft()
-        self.mode = mode
+    # -- phases --------------------------------------------------------------------------------------------------
+    @contextmanager
+    def _phase(self, name: str, *allowed_from: str) -> Iterator[None]:
+        if self.phase not in allowed_from:
+            raise RuntimeError(f"VeriCache cannot start {name} while {self.phase}.")
+        self.phase = name
+        try:
+            yield
+        finally:
+            self.phase = "idle"
 
-    def start(self, prompt_valid: torch.Tensor) -> None:
-        """Record which prompt slots are real tokens (False on left padding) before the prefill pass."""
+    @contextmanager
+    def prefilling(self, model, prompt_valid: torch.Tensor) -> Iterator[None]:
+        """The prompt's forward pass. `prompt_valid` (B, T) is False on left padding."""
+        if self.full_valid is not None:
+            raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
         self.prompt_valid = prompt_valid.bool()
         self.full_valid = self.prompt_valid.clone()
-        self.mode = "prefill"
+        capture = (
+            LayerInputCapture(model, self, self.prompt_valid)
+            if self.compressor.needs_hidden_states
+            else nullcontext()
+        )
+        with self._phase("prefilling", "idle"), capture as self._capture:
+            try:
+                yield
+            finally:
+                self._capture = None
 
-    def attention_mask(self, query_length: int) -> torch.Tensor:
-        """(B, slots + query_length) mask over the physical slots of the tier the next pass reads."""
-        committed = self.layers[0].draft.valid if self.mode == "draft" else self.full_valid
-        drafted = self.layers[0].draft.num_drafted if self.mode == "draft" else 0
-        batch = committed.shape[0]
-        fresh = committed.new_ones((batch, drafted + query_length))
-        return torch.cat([committed.to(fresh.device), fresh], dim=-1).long()
+    def captured(self, layer_idx: int) -> CompressionContext | None:
+        """The layer input captured in this prefill, if the compressor asked for it."""
+        return self._capture.pop(layer_idx) if self._capture is not None else None
+
+    @contextmanager
+    def drafting(self, draft_length: int) -> Iterator[None]:
+        """Up to `draft_length` draft steps. The full tier starts streaming in for the verify pass that follows;
+        the drafted tokens are rolled back on exit."""
+        self.prefetch(room=draft_length + 1)
+        try:
+            with self._phase("drafting", "idle"):
+                yield
+        except BaseException:
+            self.end_round()
+            raise
+        finally:
+            for layer in self.layers:
+                layer.draft.rollback_draft()
+
+    @contextmanager
+    def verifying(self) -> Iterator[None]:
+        """One pass over the full tier. On success the pass's tokens wait for `commit`; on error they are dropped
+        and the round's transfers cancelled."""
+        if self._round is None or self._stale():
+            self.prefetch()
+        try:
+            with self._phase("verifying", "idle"):
+                yield
+            self._record_round()
+        except BaseException:
+            for layer in self.layers:
+                layer.pending = None
+            raise
+        finally:
+            self.end_round()
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
         """Commit the first `count` tokens of the last verify pass; `valid` (B, count) masks the ones a row rejected."""
-        self.end_verify_round()
+        if self.layers[0].pending is None:
+            raise RuntimeError("commit follows a verify pass; there is nothing to commit.")
         for layer in self.layers:
             layer.commit(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)
-        self.mode = "draft"
+
+    def attention_mask(self, query_length: int) -> torch.Tensor:
+        """(B, slots + query_length) mask over the physical slots of the tier the next pass reads."""
+        if self.phase == "drafting":
+            committed, drafted = self.layers[0].draft.valid, self.layers[0].draft.num_drafted
+        else:
+            committed, drafted = self.full_valid, 0
+        fresh = committed.new_ones((committed.shape[0], drafted + query_length))
+        return torch.cat([committed.to(fresh.device), fresh], dim=-1).long()
 
     def draft_tier_bytes(self) -> int:
         return sum(layer.draft.nbytes() for layer in self.layers if layer.draft is not None)
@@ -178,86 +262,74 @@ class VeriCache(Cache):
     def full_tier_bytes(self) -> int:
         return sum(layer.full.nbytes() for layer in self.layers)
 
-    # -- streaming the full tier for verification ---------------------------------------------------------------
-    def prefetch_for_verify(self) -> None:
-        """Queue every layer's full-tier chunks for the next verify pass. Call it when drafting starts: the first
-        chunks then copy while the draft runs."""
-        if self.mode == "prefill" or not self.layers[0].full.length:
+    # -- streaming the full tier ---------------------------------------------------------------------------------
+    def prefetch(self, room: int = DEFAULT_ROOM) -> None:
+        """Queue every staged layer's full tier for the next verify pass, with `room` slots for its new tokens.
+        Layers that read their full tier in place need no transfer."""
+        if not self.layers[0].full.length:
             return
-        if self.verify_round is not None and not self.round_read and not self._stale():
+        if self._round is not None and not self._stale():
             return
-        self.end_verify_round()
-        self.verify_round = [
-            self.transfers.submit(layer.full, layer.device, group=self, label=layer.layer_idx)
+        self.end_round()
+        self._round = {
+            layer.layer_idx: self.transfers.submit(
+                layer.full, layer.device, group=self, label=layer.layer_idx, room=room
+            )
             for layer in self.layers
-        ]
-        self.round_read = False
+            if not layer.reads_in_place
+        }
         self.stats.peak_draft_tier_bytes = max(self.stats.peak_draft_tier_bytes, self.draft_tier_bytes())
 
-    def chunks_for_verify(self, layer_idx: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Layer `layer_idx`'s stored tokens as (keys, values, valid) chunks on its device, each (B, H, n, D) with a
-        (B, n) validity mask; a chunk's buffer is released once the consumer asks for the next one."""
-        if layer_idx == 0:
-            if self.verify_round is None or self.round_read or self._stale():
-                self.prefetch_for_verify()
-            self.round_read = True
-        elif self.verify_round is None:
-            raise RuntimeError("a verify pass must run its layers in order from layer 0.")
-        chunks = self.verify_round[layer_idx]
-        copied = chunks[0].snapshot.length  # a layer's chunks share one snapshot
+    def staged(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s (B, H, capacity, D) staging buffers, holding its full tier, once its transfer is
+        done. The layer read before it has been attended to, so its buffers go back to the engine."""
+        transfer = self._round.get(layer_idx) if self._round is not None else None
+        if transfer is None:
+            raise RuntimeError(f"layer {layer_idx}'s full tier was not queued for this verify pass.")
         stored = self.layers[layer_idx].full.length
-        if copied != stored:
+        if transfer.tokens != stored:
             raise RuntimeError(
-                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({copied} -> {stored} "
-                "tokens); commit only after the verify pass."
+                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({transfer.tokens} -> "
+                f"{stored} tokens); commit only after the verify pass."
             )
-        for transfer in chunks:
-            keys, values = self.transfers.wait(transfer)
-            valid = self.full_valid[:, transfer.start : transfer.start + transfer.tokens]
-            yield keys, values, valid.to(keys.device, non_blocking=True)
-            self.transfers.release(transfer)  # its attention has run
-        if layer_idx == len(self.layers) - 1:
-            self._record_round()
+        buffers = self.transfers.wait(transfer)
+        if self._staged:
+            self.transfers.release(self._staged[-1])
+        self._staged.append(transfer)
+        return buffers
 
     def layer_full_tier(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s whole full tier on its device, streamed through the engine (for a refresh, which
-        compresses a layer at once: device memory for it is one layer, briefly)."""
+        """Layer `layer_idx`'s whole full tier on its device (for a refresh, which compresses a layer at once:
+        device memory for it is one layer, briefly)."""
         layer = self.layers[layer_idx]
-        snapshot = layer.full.snapshot()
-        batch, heads, key_dim, value_dim = snapshot.shape
-        keys = torch.empty(
-            (batch, heads, snapshot.length, key_dim), dtype=snapshot.dtype, device=layer.device
-        )
-        values = torch.empty(
-            (batch, heads, snapshot.length, value_dim), dtype=snapshot.dtype, device=layer.device
-        )
-        for transfer in self.transfers.submit(layer.full, layer.device, group=self, label=layer_idx):
-            chunk_keys, chunk_values = self.transfers.wait(transfer)
-            keys[:, :, transfer.start : transfer.start + transfer.tokens] = chunk_keys
-            values[:, :, transfer.start : transfer.start + transfer.tokens] = chunk_values
+        if layer.reads_in_place:
+            return layer.full.view()
+        transfer = self.transfers.submit(layer.full, layer.device, group=self, label=layer_idx)
+        try:
+            keys, values = self.transfers.wait(transfer)
+            keys, values = keys[:, :, : transfer.tokens].clone(), values[:, :, : transfer.tokens].clone()
+        finally:
             self.transfers.release(transfer)
-            self.stats.bytes_to_device += transfer.bytes
+        self.stats.bytes_to_device += transfer.bytes
         return keys, values
 
-    def end_verify_round(self) -> None:
+    def end_round(self) -> None:
         """Release (or cancel) the transfers of the current round."""
-        for layer_round in self.verify_round or ():
-            for transfer in layer_round:
-                self.transfers.release(transfer)
-        self.verify_round = None
+        for transfer in (self._round or {}).values():
+            self.transfers.release(transfer)
+        self._round, self._staged = None, []
 
     def close(self) -> None:
-        """Drop pending transfers and stop the worker (a private engine); the cache stays readable."""
-        self.end_verify_round()
+        """Drop pending transfers (the cache stays readable); a private engine's worker then exits."""
+        self.end_round()
         self.transfers.cancel(self)
 
     def _stale(self) -> bool:
-        pairs = zip(self.verify_round, self.layers, strict=True)
-        return any(chunks[0].snapshot.length != layer.full.length for chunks, layer in pairs)
+        return any(transfer.tokens != self.layers[i].full.length for i, transfer in self._round.items())
 
     def _record_round(self) -> None:
         stats = self.stats
-        for transfer in (transfer for chunks in self.verify_round for transfer in chunks):
+        for transfer in self._round.values():
             self.transfers.settle(transfer)
             stats.chunk_transfers += 1
             stats.bytes_to_device += transfer.bytes
