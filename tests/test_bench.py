@@ -16,7 +16,13 @@ from vericache_tools.bench import Method, PromptBatch, Workload, build_methods, 
 from vericache_tools.bench.command import QUICK, apply_quick, run_settings
 from vericache_tools.bench.plots import _panels, plot_all
 from vericache_tools.bench.quality import extract_code, parses, passes_humaneval, trim
-from vericache_tools.bench.report import markdown_table, overview_table, summarize, workload_order, write_report
+from vericache_tools.bench.report import (
+    markdown_table,
+    overview_table,
+    summarize,
+    workload_order,
+    write_report,
+)
 from vericache_tools.cli import build_parser
 from vericache_tools.prompts import humaneval_problems
 
