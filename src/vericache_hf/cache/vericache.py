@@ -292,11 +292,10 @@ class VeriCache(Cache):
                 f"layer {layer_idx}'s full tier changed while its transfer was in flight ({transfer.tokens} -> "
                 f"{stored} tokens); commit only after the verify pass."
             )
-        buffers = self.transfers.wait(transfer)
-        if self._staged:
+        if self._staged:  # first, so that a single staging buffer can serve the next layer
             self.transfers.release(self._staged[-1])
         self._staged.append(transfer)
-        return buffers
+        return self.transfers.wait(transfer)
 
     def layer_full_tier(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s whole full tier on its device (for a refresh, which compresses a layer at once:
