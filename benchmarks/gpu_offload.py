@@ -3,7 +3,7 @@
   full-kv     greedy decoding with the whole KV cache in device memory (where it fits);
   offloaded   greedy decoding with transformers' `DynamicCache(offloading=True)` (CUDA only);
   vericache   draft on a StreamingLLM draft tier on the device, verify against the full tier in pinned host memory,
-              streamed chunk by chunk (layer by layer) by the transfer engine,
+              staged layer by layer into device buffers by the transfer engine while the draft runs,
 
 on random-weight Llama configs of about 1B and 8B parameters, contexts of 32k and 128k tokens, batch 1 and 8 (the
 combinations whose KV cache fits the GPU's, or the host's, memory). Run: `python benchmarks/gpu_offload.py`
@@ -129,7 +129,7 @@ def run_full_kv(model, args, batch, context, device, dtype, offloading: bool) ->
 
 @torch.inference_mode()
 def run_vericache(model, args, batch, context, device, dtype) -> dict:
-    """Forced-acceptance VeriCache rounds: draft k on the draft tier, verify k+1 on the streamed full tier."""
+    """Forced-acceptance VeriCache rounds: draft k on the draft tier, verify k+1 on the staged full tier."""
     base = device_bytes_now(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -142,10 +142,12 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
         staging_buffers=args.staging_buffers,
         stage_on_cpu=True,  # a CPU dry run takes the accelerator's transfer path too
     )
-    cache.start(torch.ones(batch, context, dtype=torch.long, device=device))
-    for layer in range(model.config.num_hidden_layers):
-        cache.update(*random_kv(model, batch, context, device, dtype, layer), layer)
-    cache.mode = "draft"
+    prompt_valid = torch.ones(batch, context, dtype=torch.long, device=device)
+    with cache.prefilling(
+        model, prompt_valid
+    ):  # the synthesized prompt: full tier and draft tier, as a prefill
+        for layer in range(layers):
+            cache.update(*random_kv(model, batch, context, device, dtype, layer), layer)
     k = args.accepted_per_round
     continuation = torch.randint(
         0, model.config.vocab_size, (batch, (args.rounds + 1) * (k + 1) + 1), device=device
@@ -156,12 +158,11 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
     def one_round(index: int) -> None:
         start = index * (k + 1)
         block = continuation[:, start : start + k + 1]  # pending token + k drafts the verifier accepts
-        cache.prefetch_for_verify()
-        cache.set_mode("draft")
-        for i in range(k):  # teacher-forced draft: the draft is fed the continuation
-            forward(model, cache, block[:, i : i + 1], positions + start + i)
-        cache.set_mode("verify")
-        forward(model, cache, block, positions + start)
+        with cache.drafting(k):  # queues the full tier's transfers, which run during the draft
+            for i in range(k):  # teacher-forced draft: the draft is fed the continuation
+                forward(model, cache, block[:, i : i + 1], positions + start + i)
+        with cache.verifying():
+            forward(model, cache, block, positions + start)
         cache.commit(k + 1, valid)
 
     one_round(0)  # warm-up
@@ -235,11 +236,9 @@ def parse(argv=None):
     parser.add_argument("--baseline-tokens", type=int, help="timed tokens per baseline run (default 16)")
     parser.add_argument("--compression-ratio", type=float, default=0.875)
     parser.add_argument(
-        "--staging-buffers", type=int, default=2, help="chunks of the full tier on the device"
+        "--staging-buffers", type=int, default=2, help="layers of the full tier on the device at once"
     )
-    parser.add_argument(
-        "--chunk-tokens", type=int, default=4096, help="tokens per host chunk and per transfer"
-    )
+    parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens the host full tier grows by")
     parser.add_argument(
         "--budget-s", type=float, default=420, help="skip what is left after this many seconds"
     )

@@ -1,7 +1,8 @@
 """On a CUDA GPU, the accelerator path that the CPU tests reach only through `stage_on_cpu=True`: the full tier in
-pinned host memory, copied chunk by chunk on the transfer engine's own CUDA stream, greedy output equal to stock
-`generate` (float64, so batched and sequential passes agree to the last bit), a failure in the worker raised in the
-caller, and a model split across devices by accelerate with each layer's tiers on that layer's device.
+pinned host memory, copied layer by layer into staging buffers on the transfer engine's own CUDA stream, greedy
+output equal to stock `generate` (float64, so batched and sequential passes agree to the last bit), a failure in the
+worker raised in the caller, and a model split across devices by accelerate with each layer's tiers on that layer's
+device (the GPU layers staged, the CPU layers reading their full tier in place).
 
 Skipped without CUDA. On a GPU machine: `python -m pytest tests/test_cuda.py`."""
 
@@ -12,7 +13,9 @@ import torch
 
 from vericache_hf import VeriCacheConfig
 from vericache_hf.cache.full_tier import HostSnapshot
+from vericache_hf.cache.staging import buffer_tokens
 from vericache_hf.cache.transfer import TransferError
+from vericache_hf.cache.vericache import DEFAULT_ROOM
 from vericache_hf.compat import CACHE_OUTPUT_FIELD
 
 from .conftest import no_worker_left, random_prompt, tiny_model
@@ -23,7 +26,7 @@ NEW_TOKENS = 40
 
 
 def padded_batch(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three prompts of 150, 110 and 60 tokens, left-padded: chunks of 32 tokens mix padding and prompt."""
+    """Three prompts of 150, 110 and 60 tokens, left-padded: the full tier's rows mix padding and prompt."""
     ids = random_prompt(150, batch=3, seed=2)
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
@@ -56,7 +59,7 @@ def cuda_llama():
 
 
 @pytest.mark.parametrize("compressor", ["streaming_llm", "snapkv", "kivi"])
-def test_greedy_on_cuda_matches_stock_with_a_pinned_full_tier_streamed_over_the_transfer_stream(
+def test_greedy_on_cuda_matches_stock_with_a_pinned_full_tier_staged_over_the_transfer_stream(
     cuda_llama, compressor
 ):
     ids, mask = padded_batch("cuda")
@@ -67,20 +70,33 @@ def test_greedy_on_cuda_matches_stock_with_a_pinned_full_tier_streamed_over_the_
     cache, stats = getattr(out, CACHE_OUTPUT_FIELD), out.vericache_stats
     for layer in cache.layers:
         assert layer.device.type == "cuda" and layer.draft.valid.device.type == "cuda"
-        assert all(chunk.is_pinned() for chunk in layer.full.key_chunks + layer.full.value_chunks)
+        assert layer.full.keys.is_pinned() and layer.full.values.is_pinned()
+        assert not layer.reads_in_place
     assert torch.device("cuda", torch.cuda.current_device()) in cache.transfers._streams
     assert stats.rounds > 0 and stats.accepted_tokens > 0
-    # Every verify pass streams the whole full tier, so at least the prompt's K/V (150 tokens a row) each round.
-    prompt_bytes = 150 * sum(2 * layer.full.key_chunks[0][:, :, 0].nbytes for layer in cache.layers)
-    assert stats.bytes_to_device >= stats.rounds * prompt_bytes and stats.transfer_seconds > 0
-    assert stats.peak_staging_bytes > 0
+    # One transfer per layer and verify pass (drafting rounds and plain ones alike), all of them released.
+    passes = stats.rounds + stats.plain_rounds
+    assert stats.chunk_transfers == passes * len(cache.layers)
+    assert cache.transfers.buffers.held == 0 and all(
+        layer.full.transfers_in_flight == 0 for layer in cache.layers
+    )
+    # Every verify pass stages the whole full tier, so at least the prompt's K/V (150 tokens a row) each pass.
+    prompt_bytes = 150 * sum(
+        layer.full.keys[:, :, 0].nbytes + layer.full.values[:, :, 0].nbytes for layer in cache.layers
+    )
+    assert stats.bytes_to_device >= passes * prompt_bytes and stats.transfer_seconds > 0
+    # Two staging slots of one layer each, with room for the verified tokens (a draft's, or the default room).
+    room = max(config.max_draft_length + 1, DEFAULT_ROOM)
+    full = cache.layers[0].full
+    per_token = full.keys[:, :, 0].nbytes + full.values[:, :, 0].nbytes
+    assert 0 < stats.peak_staging_bytes <= 2 * buffer_tokens(full.length + room) * per_token
 
 
 def test_a_failure_in_the_cuda_transfer_raises_in_the_caller_and_leaves_no_worker(cuda_llama, monkeypatch):
-    def failing_copy(self, chunk, keys_out, values_out):
+    def failing_copy(self, keys_out, values_out):
         raise OSError("injected DMA failure")
 
-    monkeypatch.setattr(HostSnapshot, "copy_chunk_into", failing_copy)
+    monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
     ids, mask = padded_batch("cuda")
     config = VeriCacheConfig(compressor="streaming_llm", chunk_tokens=32, draft_length=6, transfer_timeout=10)
     with pytest.raises(TransferError, match="injected DMA failure"):
@@ -114,4 +130,8 @@ def test_a_model_split_between_the_gpu_and_the_cpu_keeps_each_layers_tiers_on_it
     devices = [layer.device.type for layer in cache.layers]
     assert devices == ["cuda", "cuda", "cpu", "cpu"]
     assert [layer.draft.valid.device.type for layer in cache.layers] == devices
-    assert out.vericache_stats.accepted_tokens > 0
+    # The GPU layers are staged through the engine; the CPU layers read their full tier in place.
+    assert [layer.reads_in_place for layer in cache.layers] == [False, False, True, True]
+    stats = out.vericache_stats
+    assert stats.accepted_tokens > 0
+    assert stats.chunk_transfers == 2 * (stats.rounds + stats.plain_rounds)
