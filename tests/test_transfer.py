@@ -345,3 +345,14 @@ def test_a_cpu_verify_pass_reads_the_store_in_place_and_commits_by_length():
     store.commit_in_place(30)
     assert store.length == 53 and torch.equal(store.view()[1], torch.cat([got_values, long_values], dim=2))
     assert no_worker_left()
+
+
+def test_commit_in_place_keeps_no_more_than_the_last_pass_wrote():
+    store, _, _ = filled_store(20)
+    store.extend_view(*random_kv(2, seed=1))
+    with pytest.raises(ValueError, match="wrote 2"):
+        store.commit_in_place(10)
+    assert store.length == 20
+    store.commit_in_place(2)
+    with pytest.raises(ValueError, match="wrote 0"):
+        store.commit_in_place(1)  # each pass commits once

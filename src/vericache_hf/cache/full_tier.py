@@ -78,6 +78,7 @@ class HostKVStore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = 0
+        self.uncommitted = 0  # tokens `extend_view` wrote after `length`
         self.transfers_in_flight = 0
 
     @property
@@ -100,8 +101,9 @@ class HostKVStore:
             for like in (keys, values)
         )
         if old[0] is not None and self.length:
-            if self.pin_memory:  # appends from the device may still be in flight into the old buffers
-                torch.cuda.current_stream().synchronize()
+            if self.pin_memory:  # appends from any device may still be in flight into the old buffers
+                for device in range(torch.cuda.device_count()):
+                    torch.cuda.synchronize(device)
             self.keys[:, :, : self.length] = old[0][:, :, : self.length]
             self.values[:, :, : self.length] = old[1][:, :, : self.length]
 
@@ -114,6 +116,7 @@ class HostKVStore:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Write (B, H, n, D) keys/values after the stored ones; returns the bytes moved to the host."""
+        self.uncommitted = 0
         written = self._write(self.length, keys, values)
         self.length += keys.shape[-2]
         return written
@@ -124,12 +127,16 @@ class HostKVStore:
         if self.transfers_in_flight:
             raise RuntimeError("a verify pass may not write into a full tier that is being transferred.")
         self._write(self.length, keys, values)
-        end = self.length + keys.shape[-2]
+        self.uncommitted = keys.shape[-2]
+        end = self.length + self.uncommitted
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def commit_in_place(self, count: int) -> int:
         """Keep the first `count` tokens written by `extend_view`; returns their bytes."""
+        if not 0 <= count <= self.uncommitted:
+            raise ValueError(f"cannot commit {count} tokens: the last verify pass wrote {self.uncommitted}.")
         self.length += count
+        self.uncommitted = 0
         batch, heads, _, key_dim = self.keys.shape
         return count * batch * heads * (key_dim + self.values.shape[3]) * self.keys.element_size()
 

@@ -159,8 +159,11 @@ class TransferEngine:
                 self._cancel_one(transfer, TransferError(f"the transfer of {transfer.name} was cancelled."))
                 self._dispatch()
                 return
-        if transfer.state == "copying":
-            transfer.done.wait(self.timeout)
+        if transfer.state == "copying" and not transfer.done.wait(self.timeout):
+            raise TransferError(
+                f"the copy of {transfer.name} did not finish within {self.timeout:.0f} s, so its buffer cannot be "
+                "freed; raise the transfer timeout if the host is this slow."
+            )
         with self._lock:
             if transfer.state != "ready":
                 return  # already released, or failed / cancelled (which freed the slot)
