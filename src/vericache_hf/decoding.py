@@ -21,7 +21,7 @@ from .config import VeriCacheConfig
 from .draft_length import draft_length_schedule
 from .loop import DecodeIO, Sequences, decode
 from .stats import VeriCacheStats
-from .validation import check_generation, check_model
+from .validation import check_generation, check_model, warn_slow_cpu_attention
 
 
 @dataclass
@@ -68,6 +68,7 @@ def generate(
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
+    warn_slow_cpu_attention(model)
     check_generation(model, input_ids, generation_config, model_kwargs)
     streamer = vericache_streamer if vericache_streamer is not None else streamer
 
