@@ -147,7 +147,6 @@ def measure(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, lis
 
 def run_demo(args: argparse.Namespace) -> int:
     from .embedded import load_embedded_model
-    from .lossy import first_divergence
     from .prompts import humaneval_problems, long_code_prompt
 
     if args.repeats < 1:
@@ -157,35 +156,53 @@ def run_demo(args: argparse.Namespace) -> int:
     text = long_code_prompt(tokenizer, humaneval_problems()[args.problem], args.context_tokens)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     runs = measure(model, ids, args)
-    full, lossy, veri = (group[0] for group in runs.values())
-
-    decode = lambda run: tokenizer.decode(run.tokens, skip_special_tokens=True)  # noqa: E731
     print(
         f"\nPrompt: HumanEval/{args.problem} behind real source code, {ids.shape[-1]} tokens; up to "
         f"{args.max_new_tokens} new tokens, greedy. Draft tier: {args.compressor} at "
         f"compression_ratio={args.compression_ratio}.\n"
     )
-    print("=== full-cache output (reference) ===\n" + decode(full))
+    identical = print_outputs(tokenizer, runs, args)
+    print_acceptance(runs["VeriCache"][0].stats)
+    print_speed(runs, args.repeats)
+    return 0 if identical else 1
+
+
+def print_outputs(tokenizer, runs: dict[str, list[Run]], args: argparse.Namespace) -> bool:
+    """The three outputs (first run of each), where compressed-only leaves the reference, and whether every
+    VeriCache run matched it."""
+    from .lossy import first_divergence
+
+    full, lossy, veri = (group[0] for group in runs.values())
+    text = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+    print("=== full-cache output (reference) ===\n" + text(full.tokens))
     where = first_divergence(full.tokens[None], lossy.tokens[None], 0)
-    print(f"\n=== {args.compressor}-only output (lossy) ===\n" + decode(lossy))
+    ends = (lossy.tokens == tokenizer.eos_token_id).nonzero()
+    shown = lossy.tokens[: int(ends[0, 0])] if len(ends) else lossy.tokens  # it decodes on past its end token
+    print(f"\n=== {args.compressor}-only output (lossy) ===\n" + text(shown))
     if where == len(full.tokens):
         print("--> identical to full-cache output on this prompt")
     else:
-        shared = tokenizer.decode(full.tokens[:where], skip_special_tokens=True)
+        shared = text(full.tokens[:where])
         print(f"--> leaves the full-cache output at generated token {where}, after: {shared[-60:]!r}")
     identical = all(torch.equal(run.tokens, full.tokens) for run in runs["VeriCache"])
-    print("\n=== VeriCache output ===\n" + decode(veri))
+    print("\n=== VeriCache output ===\n" + text(veri.tokens))
     print(f"--> identical to full-cache output: {identical} (in each of {args.repeats} runs)")
     print(f"    ({IDENTICAL}.)")
-    stats = veri.stats
+    return identical
+
+
+def print_acceptance(stats: VeriCacheStats) -> None:
+    staged = (
+        f"{stats.bytes_to_device / 2**20:.0f} MiB staged for verification"
+        if stats.bytes_to_device
+        else "the full tier is read in place for verification (nothing staged)"
+    )
     print(
         f"\nAcceptance: {stats.rounds} drafted rounds (and {stats.plain_rounds} plain full-cache steps, where "
         f"drafting did not pay), {stats.mean_accepted_per_round:.1f} accepted drafts per round, "
         f"acceptance rate {stats.acceptance_rate:.0%}; draft tier {stats.draft_tier_bytes / 2**20:.1f} MiB vs full "
-        f"tier {stats.full_tier_bytes / 2**20:.1f} MiB; {stats.bytes_to_device / 2**20:.0f} MiB staged for verification."
+        f"tier {stats.full_tier_bytes / 2**20:.1f} MiB; {staged}."
     )
-    print_speed(runs, args.repeats)
-    return 0 if identical else 1
 
 
 def print_speed(runs: dict[str, list[Run]], repeats: int) -> None:
