@@ -24,8 +24,8 @@ from transformers import (
 )
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf.lossy import compressed_only_generate
 from vericache_hf.registration import set_default_mode
+from vericache_tools.lossy import compressed_only_generate
 
 from .conftest import VOCAB, random_prompt, tiny_model, vericache_dict
 
