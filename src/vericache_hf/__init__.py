@@ -10,6 +10,7 @@ from .cache.transfer import TransferError
 from .compressors import Compressor, available_compressors
 from .config import VeriCacheConfig
 from .decoding import VeriCacheGenerateOutput, generate
+from .engine import GenerationOutput, RequestStatus, VeriCacheEngine, generate_batch
 from .registration import register, set_default_mode, vericache_generate
 from .stats import VeriCacheStats
 
@@ -19,14 +20,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compressor",
+    "GenerationOutput",
     "RefreshPolicy",
+    "RequestStatus",
     "TransferError",
     "VeriCache",
     "VeriCacheConfig",
+    "VeriCacheEngine",
     "VeriCacheGenerateOutput",
     "VeriCacheStats",
     "available_compressors",
     "generate",
+    "generate_batch",
     "register",
     "set_default_mode",
     "vericache_generate",

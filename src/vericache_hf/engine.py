@@ -1,0 +1,286 @@
+"""`VeriCacheEngine` and `generate_batch`: many requests at once, in the call shapes of transformers' continuous
+batching (`add_request(s)`, `get_result`, `request_id_iter`, ids `req_0`, `req_1`, ..., and its `GenerationOutput`
+with `RequestStatus`), so that a user of `model.generate_batch` changes one thing.
+
+This is the engine's first step: each request is one VeriCache `generate` call on its own cache, run by one of
+`max_concurrent` worker threads (VeriCache calls are thread-safe, see `cache/vericache.py`). Requests join and leave
+at any time, a failing request fails alone with its error in its result, `cancel` ends a request at its next round
+and frees its cache, and `stop` ends every request and leaves no thread behind. Batching requests into shared
+forward passes, admission by device memory and staggered cohorts are the next steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from .checks import check_int
+
+__all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
+
+_STOP = object()  # tells a worker to exit
+
+
+class _Request:
+    """One request's state, shared between the caller's threads and the worker that serves it."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], generate_kwargs: dict[str, Any]) -> None:
+        self.output = GenerationOutput(request_id=request_id, prompt_ids=prompt_ids, timestamps=[])
+        self.generate_kwargs = generate_kwargs
+        self.cancelled = threading.Event()
+        self.changed = threading.Condition()
+        self.prompt_streamed = False
+
+    # The streamer protocol `generate` drives: the prompt first, then each new token.
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_streamed:
+            self.prompt_streamed = True
+            return
+        with self.changed:
+            self.output.generated_tokens.extend(int(token) for token in value.reshape(-1))
+            self.output.timestamps.extend([time.perf_counter()] * value.numel())
+            self.output.status = RequestStatus.DECODING
+            self.changed.notify_all()
+
+    def end(self) -> None:
+        pass
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        with self.changed:
+            self.output.status, self.output.error = status, error
+            self.output.lifespan = (self.output.lifespan[0], time.perf_counter())
+            self.changed.notify_all()
+
+    def snapshot(self) -> GenerationOutput:
+        with self.changed:
+            return replace(
+                self.output,
+                generated_tokens=list(self.output.generated_tokens),
+                timestamps=list(self.output.timestamps or []),
+            )
+
+
+class _Cancelled(StoppingCriteria):
+    """Stops a request's `generate` at its next emitted token once `cancel` was called."""
+
+    def __init__(self, request: _Request) -> None:
+        self.request = request
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.request.cancelled.is_set(), dtype=torch.bool)
+
+
+class VeriCacheEngine:
+    """Serve requests with VeriCache decoding from any thread, at any time.
+
+    `vericache_config` and `generate_kwargs` (for example `do_sample=False`) apply to every request; `add_request`
+    takes per-request ones on top. Use it as a context manager, or call `start()` and `stop()`.
+    """
+
+    def __init__(self, model, vericache_config=None, max_concurrent: int = 2, **generate_kwargs: Any) -> None:
+        check_int("max_concurrent", max_concurrent)
+        self.model = model
+        self.generate_kwargs = {"vericache_config": vericache_config, **generate_kwargs}
+        self.max_concurrent = max_concurrent
+        self._requests: dict[str, _Request] = {}
+        self._pending: queue.Queue = queue.Queue()
+        self._finished: queue.Queue = queue.Queue()
+        self._workers: list[threading.Thread] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._state = "new"
+
+    # -- life cycle ---------------------------------------------------------------------------------------------
+    def start(self) -> VeriCacheEngine:
+        with self._lock:
+            if self._state == "stopped":
+                raise RuntimeError(
+                    "this VeriCacheEngine was stopped; create a new one to serve more requests."
+                )
+            if self._state == "new":
+                self._workers = [
+                    threading.Thread(target=self._work, name=f"vericache-engine-{i}", daemon=True)
+                    for i in range(self.max_concurrent)
+                ]
+                for worker in self._workers:
+                    worker.start()
+                self._state = "running"
+        return self
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Cancel every request not yet finished and end the workers (waiting for them when `block`)."""
+        with self._lock:
+            if self._state != "running":
+                self._state = "stopped"
+                return
+            self._state = "stopped"
+            for request in self._requests.values():
+                request.cancelled.set()
+            for _ in self._workers:
+                self._pending.put(_STOP)
+        if block:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for worker in self._workers:
+                worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> VeriCacheEngine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def is_running(self) -> bool:
+        return self._state == "running" and any(worker.is_alive() for worker in self._workers)
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        **generate_kwargs: Any,
+    ) -> str:
+        """Queue one prompt (token ids); returns its request id (`req_<n>` unless given)."""
+        prompt = _prompt_ids(input_ids)
+        kwargs = {**self.generate_kwargs, **generate_kwargs}
+        if max_new_tokens is not None:
+            check_int("max_new_tokens", max_new_tokens)
+            kwargs["max_new_tokens"] = max_new_tokens
+        with self._lock:
+            if self._state == "stopped":
+                raise RuntimeError(
+                    "this VeriCacheEngine was stopped; create a new one to serve more requests."
+                )
+            request_id = request_id if request_id is not None else f"req_{next(self._ids)}"
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in use; pass another or none.")
+            request = self._requests[request_id] = _Request(request_id, prompt, kwargs)
+        self.start()
+        self._pending.put(request)
+        return request_id
+
+    def add_requests(
+        self, inputs: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int | None = None, **kwargs: Any
+    ) -> list[str]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, **kwargs) for ids in inputs]
+
+    def cancel(self, request_id: str) -> None:
+        """End a request at its next round (or before it starts); its result says it was cancelled."""
+        self._request(request_id).cancelled.set()
+
+    def get_result(
+        self, request_id: str | None = None, timeout: float | None = None
+    ) -> GenerationOutput | None:
+        """The finished output of `request_id`, or of the next request to finish when None; None on timeout."""
+        if request_id is None:
+            try:
+                return self._finished.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        request = self._request(request_id)
+        with request.changed:
+            if not request.changed.wait_for(request.output.is_finished, timeout):
+                return None
+        return request.snapshot()
+
+    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
+        """The request's output each time new tokens arrive, the finished one last."""
+        request = self._request(request_id)
+        seen = -1
+        while True:
+            with request.changed:
+                arrived = request.changed.wait_for(
+                    lambda seen=seen: (
+                        request.output.is_finished() or len(request.output.generated_tokens) > seen
+                    ),
+                    timeout,
+                )
+                if not arrived:
+                    raise TimeoutError(f"request {request_id!r} produced nothing within {timeout} s.")
+                seen = len(request.output.generated_tokens)
+                done = request.output.is_finished()
+            yield request.snapshot()
+            if done:
+                return
+
+    def _request(self, request_id: str) -> _Request:
+        with self._lock:
+            request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(
+                f"unknown request id {request_id!r}; add_request returns the ids this engine knows."
+            )
+        return request
+
+    # -- the workers --------------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            request = self._pending.get()
+            if request is _STOP:
+                return
+            self._serve(request)
+            self._finished.put(request.snapshot())
+
+    def _serve(self, request: _Request) -> None:
+        request.output.lifespan = (time.perf_counter(), -1)
+        if request.cancelled.is_set():
+            request.finish(RequestStatus.FAILED, "cancelled before it started")
+            return
+        kwargs = dict(request.generate_kwargs)
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(_Cancelled(request))
+        with request.changed:
+            request.output.status = RequestStatus.PREFILLING
+        try:
+            prompt = torch.tensor([request.output.prompt_ids], device=self.model.device)
+            self.model.generate(
+                prompt, generation_mode="vericache", streamer=request, stopping_criteria=criteria, **kwargs
+            )
+        except Exception as error:  # noqa: BLE001 - a failing request fails alone, its error in its result
+            request.finish(RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+            return
+        if request.cancelled.is_set():
+            request.finish(RequestStatus.FAILED, "cancelled")
+        else:
+            request.finish(RequestStatus.FINISHED)
+
+
+def _prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.ndim == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.ndim != 1:
+            raise ValueError(
+                f"a request takes one prompt of token ids, shape (length,) or (1, length); got shape "
+                f"{tuple(input_ids.shape)}. Add several prompts with add_requests."
+            )
+        input_ids = input_ids.tolist()
+    prompt = list(input_ids)
+    if not prompt or not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+        raise ValueError("a request's prompt must be a non-empty sequence of integer token ids.")
+    return prompt
+
+
+def generate_batch(
+    model,
+    inputs: Sequence[Sequence[int] | torch.Tensor],
+    max_new_tokens: int | None = None,
+    vericache_config=None,
+    max_concurrent: int = 2,
+    **generate_kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Serve `inputs` to the end, as `model.generate_batch` does: outputs keyed `req_0`, `req_1`, ... in input
+    order. Each request's greedy output equals stock `generate` of that prompt alone."""
+    with VeriCacheEngine(model, vericache_config, max_concurrent, **generate_kwargs) as engine:
+        ids = engine.add_requests(inputs, max_new_tokens=max_new_tokens)
+        return {request_id: engine.get_result(request_id) for request_id in ids}

@@ -1,0 +1,205 @@
+"""`VeriCacheEngine` and `generate_batch`: transformers' continuous-batching call shapes, every request's greedy
+output equal to stock `generate` of its prompt alone, requests added while others run and from many threads,
+cancelled and failing requests that end alone, and a `stop` that leaves no thread behind."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import StoppingCriteria
+
+import vericache_hf
+from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, generate_batch
+
+from .conftest import VOCAB, random_prompt, tiny_model
+from .test_sampling import NEW_TOKENS, PROMPT, SAMPLING, chi_square_p
+
+CONFIG = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.75, draft_length=4)
+
+
+@pytest.fixture(scope="module")
+def served():
+    return tiny_model("llama", num_hidden_layers=3)
+
+
+def stock(model, prompt: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    return [random_prompt(30 + 9 * (i % 5), seed=seed + i)[0].tolist() for i in range(count)]
+
+
+def no_engine_thread_left() -> bool:
+    for thread in threading.enumerate():
+        if thread.name.startswith("vericache-engine"):
+            thread.join(10)
+    return not any(t.name.startswith("vericache-engine") and t.is_alive() for t in threading.enumerate())
+
+
+def test_generate_batch_matches_stock_per_prompt_in_transformers_shapes(served):
+    inputs = prompts(5)
+    results = generate_batch(served, inputs, max_new_tokens=20, vericache_config=CONFIG, do_sample=False)
+    assert list(results) == [f"req_{i}" for i in range(5)]
+    for (request_id, out), prompt in zip(results.items(), inputs, strict=True):
+        assert isinstance(out, vericache_hf.GenerationOutput) and out.request_id == request_id
+        assert out.status == RequestStatus.FINISHED and out.error is None
+        assert out.prompt_ids == prompt
+        assert out.generated_tokens == stock(served, prompt, 20)
+        assert len(out.timestamps) == len(out.generated_tokens)
+        assert out.created_time <= out.lifespan[0] <= out.lifespan[1]
+    assert no_engine_thread_left()
+
+
+def test_requests_added_while_others_run_stream_and_stay_exact(served):
+    inputs = prompts(4, seed=20)
+    with VeriCacheEngine(served, CONFIG, max_concurrent=2, do_sample=False) as engine:
+        first = engine.add_request(inputs[0], max_new_tokens=40)
+        partials = []
+        for partial in engine.request_id_iter(first, timeout=60):
+            partials.append(partial)
+            if len(partials) == 2:  # the first request is decoding: add the others now
+                later = engine.add_requests(inputs[1:], max_new_tokens=24)
+        assert partials[-1].status == RequestStatus.FINISHED
+        lengths = [len(p.generated_tokens) for p in partials]
+        assert lengths == sorted(lengths) and len(partials) > 2  # it streamed, round by round
+        assert partials[-1].generated_tokens == stock(served, inputs[0], 40)
+        for request_id, prompt in zip(later, inputs[1:], strict=True):
+            assert engine.get_result(request_id, timeout=60).generated_tokens == stock(served, prompt, 24)
+    assert no_engine_thread_left()
+
+
+class Hold(StoppingCriteria):
+    """Blocks a request's decoding until released: a request that is surely in flight."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.started.set()
+        self.release.wait(60)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_cancel_ends_a_running_request_and_one_not_yet_started(served):
+    hold = Hold()
+    with VeriCacheEngine(served, CONFIG, max_concurrent=1, do_sample=False) as engine:
+        running = engine.add_request(prompts(1)[0], max_new_tokens=200, stopping_criteria=[hold])
+        waiting = engine.add_request(prompts(1, seed=5)[0], max_new_tokens=20)
+        assert hold.started.wait(60)
+        engine.cancel(waiting)
+        engine.cancel(running)
+        hold.release.set()
+        stopped = engine.get_result(running, timeout=60)
+        assert stopped.status == RequestStatus.FAILED and stopped.error == "cancelled"
+        assert len(stopped.generated_tokens) < 200
+        never = engine.get_result(waiting, timeout=60)
+        assert never.status == RequestStatus.FAILED and never.error == "cancelled before it started"
+        assert never.generated_tokens == []
+
+
+class Explode(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise RuntimeError("criterion exploded")
+
+
+def test_a_failing_request_fails_alone(served):
+    inputs = prompts(3, seed=40)
+    with VeriCacheEngine(served, CONFIG, max_concurrent=2, do_sample=False) as engine:
+        healthy = engine.add_requests(inputs, max_new_tokens=16)
+        raising = engine.add_request(inputs[0], max_new_tokens=16, stopping_criteria=[Explode()])
+        bad_token = engine.add_request([3, 4, VOCAB + 50], max_new_tokens=8)  # outside the vocabulary
+        bad_option = engine.add_request(inputs[1], max_new_tokens=8, num_beams=2)
+        for request_id, prompt in zip(healthy, inputs, strict=True):
+            out = engine.get_result(request_id, timeout=60)
+            assert out.status == RequestStatus.FINISHED and out.generated_tokens == stock(served, prompt, 16)
+        assert "criterion exploded" in engine.get_result(raising, timeout=60).error
+        assert engine.get_result(bad_token, timeout=60).status == RequestStatus.FAILED
+        assert "num_beams" in engine.get_result(bad_option, timeout=60).error
+    assert no_engine_thread_left()
+
+
+def test_many_threads_add_requests_and_every_output_is_exact(served):
+    inputs = prompts(12, seed=60)
+    ids: dict[int, str] = {}
+    with VeriCacheEngine(served, CONFIG, max_concurrent=3, do_sample=False) as engine:
+
+        def add(start: int) -> None:
+            for i in range(start, len(inputs), 4):
+                ids[i] = engine.add_request(inputs[i], max_new_tokens=12)
+
+        threads = [threading.Thread(target=add, args=(start,)) for start in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(set(ids.values())) == len(inputs)
+        for i, request_id in ids.items():
+            assert engine.get_result(request_id, timeout=60).generated_tokens == stock(served, inputs[i], 12)
+
+
+def test_stop_with_requests_in_flight_ends_cleanly_and_refuses_more(served):
+    hold = Hold()
+    engine = VeriCacheEngine(served, CONFIG, max_concurrent=2, do_sample=False).start()
+    running = engine.add_request(prompts(1)[0], max_new_tokens=300, stopping_criteria=[hold])
+    queued = [engine.add_request(p, max_new_tokens=300) for p in prompts(3, seed=80)]
+    assert hold.started.wait(60)
+    hold.release.set()
+    engine.stop(timeout=60)
+    assert no_engine_thread_left() and not engine.is_running
+    for request_id in [running, *queued]:
+        assert engine.get_result(request_id, timeout=1).is_finished()
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.add_request([3, 4, 5])
+
+
+def test_bad_arguments_get_clear_errors(served):
+    with VeriCacheEngine(served, CONFIG) as engine:
+        with pytest.raises(KeyError, match="unknown request id"):
+            engine.get_result("req_99")
+        with pytest.raises(ValueError, match="shape"):
+            engine.add_request(torch.ones(2, 5, dtype=torch.long))
+        with pytest.raises(ValueError, match="non-empty"):
+            engine.add_request([])
+        request_id = engine.add_request([3, 4, 5], max_new_tokens=2)
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request([3, 4], request_id=request_id)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.add_request([3, 4], max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_concurrent"):
+        VeriCacheEngine(served, CONFIG, max_concurrent=0)
+
+
+def test_sampled_tokens_through_the_engine_are_distributed_as_stock():
+    """The engine serves sampling requests with stock's distribution (speculative sampling per request)."""
+    small = tiny_model(
+        "llama",
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    prompt = random_prompt(PROMPT, seed=11)
+    config = VeriCacheConfig(
+        compressor="streaming_llm", compression_ratio=0.9, draft_length=3, draft_schedule="fixed"
+    )
+    torch.manual_seed(99)
+    reference = small.generate(prompt, max_new_tokens=NEW_TOKENS, num_return_sequences=3000, **SAMPLING)[
+        :, PROMPT:
+    ]
+    torch.manual_seed(100)
+    requests = 600
+    results = generate_batch(
+        small, [prompt[0]] * requests, max_new_tokens=NEW_TOKENS, vericache_config=config, **SAMPLING
+    )
+    pad = small.generation_config.pad_token_id  # stock pads a row that sampled EOS early; so do we here
+    served_tokens = torch.tensor(
+        [out.generated_tokens + [pad] * (NEW_TOKENS - len(out.generated_tokens)) for out in results.values()]
+    )
+    assert served_tokens.shape == (requests, NEW_TOKENS)
+    for position in range(NEW_TOKENS):
+        assert chi_square_p(served_tokens[:, position], reference[:, position]) > 1e-3 / NEW_TOKENS
