@@ -77,6 +77,19 @@ def llama():
     return tiny_model("llama")
 
 
+@pytest.fixture(scope="module")
+def small():
+    """A one-layer model, for tests that need thousands of samples."""
+    return tiny_model(
+        "llama",
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
 def no_worker_left() -> bool:
     """No transfer worker thread is alive, after giving each a few seconds to exit."""
     for thread in threading.enumerate():

@@ -173,16 +173,8 @@ def test_bad_arguments_get_clear_errors(served):
         VeriCacheEngine(served, CONFIG, max_concurrent=0)
 
 
-def test_sampled_tokens_through_the_engine_are_distributed_as_stock():
+def test_sampled_tokens_through_the_engine_are_distributed_as_stock(small):
     """The engine serves sampling requests with stock's distribution (speculative sampling per request)."""
-    small = tiny_model(
-        "llama",
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
     prompt = random_prompt(PROMPT, seed=11)
     config = VeriCacheConfig(
         compressor="streaming_llm", compression_ratio=0.9, draft_length=3, draft_schedule="fixed"

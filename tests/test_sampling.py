@@ -3,14 +3,13 @@ distributed as stock `generate(do_sample=True)`'s, though the random stream diff
 
 from __future__ import annotations
 
-import pytest
 import torch
 from scipy.stats import chi2_contingency
 
 from vericache_hf import VeriCacheConfig
 from vericache_hf.verify import speculative_accept
 
-from .conftest import random_prompt, tiny_model
+from .conftest import random_prompt
 
 SAMPLES = 4000
 PROMPT = 24
@@ -19,18 +18,6 @@ NEW_TOKENS = 4
 #: the outcome is deterministic; over seeds a correct implementation fails this test with probability <= ALPHA.
 ALPHA = 1e-3
 SAMPLING = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.95, repetition_penalty=1.2)
-
-
-@pytest.fixture(scope="module")
-def small():
-    return tiny_model(
-        "llama",
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
 
 
 def chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
