@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from .codec import decode_chunk, encode_chunk, refuse
 from .keys import KVFingerprint, check_tier, chunk_hashes, tier_key, token_ids_1d
 from .store import PrefixStore
@@ -42,12 +43,7 @@ class PrefixCache:
             raise TypeError(
                 f"store must be a PrefixStore (DiskStore, RedisStore...), got {type(self.store).__name__}"
             )
-        if (
-            isinstance(self.chunk_tokens, bool)
-            or not isinstance(self.chunk_tokens, int)
-            or self.chunk_tokens < 1
-        ):
-            raise ValueError(f"chunk_tokens must be a positive int, got {self.chunk_tokens!r}")
+        check_int("chunk_tokens", self.chunk_tokens)
 
     def chunk_keys(
         self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str = "full"

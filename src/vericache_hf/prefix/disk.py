@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..checks import check_int
 from .store import PrefixStore, check_bytes
 
 __all__ = ["DiskStore"]
@@ -43,8 +44,7 @@ class DiskStore(PrefixStore):
         namespace: str = "default",
     ) -> None:
         super().__init__(namespace)
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+        check_int("max_bytes", max_bytes, why=" (bytes)")
         self.root = Path(path).expanduser()
         self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True)
