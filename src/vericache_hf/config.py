@@ -32,16 +32,15 @@ class VeriCacheConfig:
             cost_aware under greedy decoding and adaptive under sampling, where a length that follows the clock
             would make a seeded run unrepeatable.
         min_draft_length / max_draft_length: bounds of the changing schedules (cost_aware may also choose 0).
-        chunk_tokens: tokens per host chunk of the full tier, which is also the unit streamed to the device for
-            verification (bigger chunks mean fewer, larger copies; device memory for the full tier grows with it).
-        staging_buffers: chunks of the full tier that may be on the device at once (2: one copies while one is
-            read). Device memory for the full tier is at most `staging_buffers * chunk_tokens` tokens of one layer,
-            whatever the context length.
+        chunk_tokens: the granule, in tokens, by which each layer's host full tier grows (it doubles, in whole
+            granules).
+        staging_buffers: layers of the full tier that may be on an accelerator at once (2: one copies while one is
+            read). Device memory for the full tier is at most `staging_buffers` layers, whatever the layer count.
         transfer_timeout: seconds any wait on a full-tier transfer may take before it raises.
         stage_on_cpu: when a layer's device is the CPU, its full tier is already in that memory, so the verify pass
-            reads the host chunks in place (no copy, no transfer thread). True copies them through the staging
-            buffers and the transfer thread anyway, as on an accelerator: the same results, slower; it runs the
-            accelerator's transfer path on a CPU-only machine.
+            reads it in place (no copy, no transfer thread). True copies it through the staging buffers and the
+            transfer thread anyway, as on an accelerator: the same results, slower; it runs the accelerator's
+            transfer path on a CPU-only machine.
         refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
             N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.

@@ -5,6 +5,9 @@ the first input of the next round. A round drafts k tokens on the draft tier, ve
 forward pass on the full tier, emits the accepted drafts plus the verifier's bonus token, and commits the exact K/V
 of [pending + accepted drafts] to both tiers. Greedy rounds keep drafts equal to the verifier's argmax; sampling
 rounds use speculative sampling, so either way the output is distributed as stock `generate`'s.
+
+The loop never sets the cache's state: each pass runs inside the cache phase it belongs to (`cache.prefilling`,
+`cache.drafting`, `cache.verifying`), which routes the pass's K/V to the right tier and undoes its setup on exit.
 """
 
 from __future__ import annotations
