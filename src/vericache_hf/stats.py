@@ -14,11 +14,12 @@ class VeriCacheStats:
     Tokens are counted per batch row: a round over 4 rows that accepts 3, 5, 0 and 7 drafts adds 15 to
     `accepted_tokens` and 4 to `row_rounds`.
 
-    Transfers: `bytes_to_device` is the full tier staged for verification, `bytes_to_host` the exact K/V written to
-    the full tier (the prompt, then only newly accepted tokens). `transfer_seconds` is the time the copies took,
+    Transfers: `bytes_to_device` is the full tier staged for verification and `chunk_transfers` the number of
+    copies that moved it (one per staged layer and verify pass; none where a layer on the CPU reads its full tier in
+    place), `bytes_to_host` the exact K/V written to the full tier (the prompt, then only newly accepted tokens). `transfer_seconds` is the time the copies took,
     `transfer_wait_seconds` the time the verify pass waited on them; the rest was hidden behind drafting and
     compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
-    (the full tier's chunk buffers) are device memory; `full_tier_bytes` is host memory. `compress_seconds` is the
+    (the full tier's layer buffers) are device memory; `full_tier_bytes` is host memory. `compress_seconds` is the
     compressor's share of `prefill_seconds` (and of refreshes).
     """
 
