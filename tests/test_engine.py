@@ -4,6 +4,8 @@ cancelled and failing requests that end alone, and a `stop` that leaves no threa
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 
 import pytest
@@ -195,3 +197,31 @@ def test_sampled_tokens_through_the_engine_are_distributed_as_stock(small):
     assert served_tokens.shape == (requests, NEW_TOKENS)
     for position in range(NEW_TOKENS):
         assert chi_square_p(served_tokens[:, position], reference[:, position]) > 1e-3 / NEW_TOKENS
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+def test_a_thousand_short_requests_leave_no_memory_behind(small):
+    """Results are handed out once and then forgotten: after 1,000 requests the engine holds none, and resident
+    memory after the last 900 is what it was after the first 100 (warm-up) within a few MiB."""
+    prompt = random_prompt(12, seed=3)[0].tolist()
+    with VeriCacheEngine(small, CONFIG, max_concurrent=2, do_sample=False) as engine:
+
+        def serve(count: int) -> None:
+            ids = engine.add_requests([prompt] * count, max_new_tokens=2)
+            for _ in ids:
+                assert engine.get_result(timeout=60).status == RequestStatus.FINISHED
+
+        serve(100)
+        gc.collect()
+        before = resident_mib()
+        serve(900)
+        gc.collect()
+        grown = resident_mib() - before
+        assert not engine._requests
+    print(f"resident memory grew by {grown:.1f} MiB over 900 requests")
+    assert grown < 16, f"resident memory grew by {grown:.1f} MiB over 900 requests"

@@ -181,20 +181,35 @@ class VeriCacheEngine:
     def get_result(
         self, request_id: str | None = None, timeout: float | None = None
     ) -> GenerationOutput | None:
-        """The finished output of `request_id`, or of the next request to finish when None; None on timeout."""
-        if request_id is None:
+        """The finished output of `request_id`, or of the next request to finish when None; None on timeout.
+
+        As in transformers, a result is handed out once: the engine then forgets the request, so a long-running
+        engine holds only the requests whose results nobody has taken yet."""
+        if request_id is not None:
+            request = self._request(request_id)
+            with request.changed:
+                if not request.changed.wait_for(request.output.is_finished, timeout):
+                    return None
+            return self._take(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return self._finished.get(timeout=timeout)
+                finished = self._finished.get(timeout=left)
             except queue.Empty:
                 return None
-        request = self._request(request_id)
-        with request.changed:
-            if not request.changed.wait_for(request.output.is_finished, timeout):
-                return None
-        return request.snapshot()
+            output = self._take(finished)
+            if output is not None:  # else its result was already taken by id
+                return output
+
+    def _take(self, request_id: str) -> GenerationOutput | None:
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+        return request.snapshot() if request is not None else None
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
-        """The request's output each time new tokens arrive, the finished one last."""
+        """The request's output each time new tokens arrive, the finished one last (which hands the result out, as
+        `get_result` does)."""
         request = self._request(request_id)
         seen = -1
         while True:
@@ -209,9 +224,10 @@ class VeriCacheEngine:
                     raise TimeoutError(f"request {request_id!r} produced nothing within {timeout} s.")
                 seen = len(request.output.generated_tokens)
                 done = request.output.is_finished()
-            yield request.snapshot()
             if done:
+                yield self._take(request_id) or request.snapshot()
                 return
+            yield request.snapshot()
 
     def _request(self, request_id: str) -> _Request:
         with self._lock:
@@ -229,7 +245,7 @@ class VeriCacheEngine:
             if request is _STOP:
                 return
             self._serve(request)
-            self._finished.put(request.snapshot())
+            self._finished.put(request.output.request_id)
 
     def _serve(self, request: _Request) -> None:
         request.output.lifespan = (time.perf_counter(), -1)
