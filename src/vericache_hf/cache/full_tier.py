@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int
+from .draft_tier import tensor_bytes
 
 
 def pinned_memory_available() -> bool:
@@ -47,8 +48,7 @@ class HostSnapshot:
         return self.keys.dtype
 
     def nbytes(self) -> int:
-        batch, heads, key_dim, value_dim = self.shape
-        return self.length * batch * heads * (key_dim + value_dim) * self.keys.element_size()
+        return tensor_bytes(self.keys[:, :, : self.length], self.values[:, :, : self.length])
 
     def copy_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
         """Copy the stored tokens into the first slots of (B, H, >=length, D) buffers; returns the bytes moved.
@@ -112,7 +112,7 @@ class HostKVStore:
         self.reserve(at + count, keys, values)
         self.keys[:, :, at : at + count].copy_(keys, non_blocking=True)
         self.values[:, :, at : at + count].copy_(values, non_blocking=True)
-        return keys.element_size() * keys.numel() + values.element_size() * values.numel()
+        return tensor_bytes(keys, values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Write (B, H, n, D) keys/values after the stored ones; returns the bytes moved to the host."""
@@ -135,10 +135,8 @@ class HostKVStore:
         """Keep the first `count` tokens written by `extend_view`; returns their bytes."""
         if not 0 <= count <= self.uncommitted:
             raise ValueError(f"cannot commit {count} tokens: the last verify pass wrote {self.uncommitted}.")
-        self.length += count
-        self.uncommitted = 0
-        batch, heads, _, key_dim = self.keys.shape
-        return count * batch * heads * (key_dim + self.values.shape[3]) * self.keys.element_size()
+        start, self.length, self.uncommitted = self.length, self.length + count, 0
+        return tensor_bytes(self.keys[:, :, start : self.length], self.values[:, :, start : self.length])
 
     def truncate(self, length: int) -> None:
         """Roll back to `length` tokens: only the counter moves."""
