@@ -19,7 +19,7 @@ def ids():
     [
         (dict(num_beams=2), "num_beams=2"),
         (dict(use_cache=False), "use_cache=True"),
-        (dict(prompt_lookup_num_tokens=3), "assisted generation"),
+        (dict(assistant_early_exit=1), "assistant_early_exit"),
         (dict(penalty_alpha=0.6, top_k=4), "greedy search and sampling only"),
         (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
         (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
@@ -30,9 +30,26 @@ def test_settings_that_cannot_be_served_raise(llama, ids, kwargs, message):
         llama.generate(ids, max_new_tokens=4, generation_mode="vericache", **kwargs)
 
 
-def test_assistant_model_is_refused(llama, ids):
-    with pytest.raises(ValueError, match="assistant_model"):
-        llama.generate(ids, max_new_tokens=4, generation_mode="vericache", assistant_model=llama)
+def test_two_proposers_are_refused(llama, ids):
+    from vericache_hf import VeriCacheConfig
+
+    with pytest.raises(ValueError, match="assistant_model and prompt_lookup_num_tokens"):
+        llama.generate(
+            ids,
+            max_new_tokens=4,
+            generation_mode="vericache",
+            assistant_model=llama,
+            prompt_lookup_num_tokens=3,
+        )
+    config = VeriCacheConfig(proposer="prompt_lookup")
+    with pytest.raises(ValueError, match="assistant_model and VeriCacheConfig.proposer"):
+        llama.generate(
+            ids, max_new_tokens=4, generation_mode="vericache", vericache_config=config, assistant_model=llama
+        )
+    with pytest.raises(ValueError, match="proposer must be None, 'prompt_lookup' or an assistant model"):
+        VeriCacheConfig(proposer="ngram")
+    with pytest.raises(ValueError, match="pass assistant_model= to generate"):
+        VeriCacheConfig(proposer=llama).to_dict()
 
 
 def test_a_cache_passed_in_is_refused(llama, ids):

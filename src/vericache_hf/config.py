@@ -43,6 +43,13 @@ class VeriCacheConfig:
             transfer path on a CPU-only machine.
         refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
             N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
+        proposer: hierarchical drafting's proposer: `"prompt_lookup"` (n-grams of the prefix, no second model) or an
+            assistant model that shares the tokenizer. The draft tier checks its proposals many tokens per pass and
+            the full tier verifies as always, so the output is unchanged. `generate`'s own `prompt_lookup_num_tokens`
+            and `assistant_model` kwargs do the same. None drafts with the draft tier alone.
+        proposal_length: most tokens one proposal offers (`prompt_lookup_num_tokens` overrides it). How many the draft
+            tier checks is chosen as it goes, from the measured pass time and how many it keeps, 0 when they do not
+            pay (always `proposal_length` under the fixed draft schedule).
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
     """
 
@@ -59,6 +66,8 @@ class VeriCacheConfig:
     transfer_timeout: float = 60.0
     stage_on_cpu: bool = False
     refresh: Any = None
+    proposer: Any = None
+    proposal_length: int = 10
     stats: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +85,11 @@ class VeriCacheConfig:
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"draft_schedule must be one of {DRAFT_SCHEDULES}, got {self.draft_schedule!r}.")
         check_seconds("transfer_timeout", self.transfer_timeout)
+        if not (self.proposer in (None, "prompt_lookup") or hasattr(self.proposer, "generate")):
+            raise ValueError(
+                f"proposer must be None, 'prompt_lookup' or an assistant model (a transformers causal LM), "
+                f"got {self.proposer!r}."
+            )
         if not isinstance(self.stage_on_cpu, bool):
             raise TypeError(f"stage_on_cpu must be True or False, got {self.stage_on_cpu!r}.")
         for name in (
@@ -84,6 +98,7 @@ class VeriCacheConfig:
             "max_draft_length",
             "chunk_tokens",
             "staging_buffers",
+            "proposal_length",
         ):
             check_int(name, getattr(self, name))
         if self.min_draft_length > self.max_draft_length:
@@ -112,6 +127,11 @@ class VeriCacheConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict, for saving inside `generation_config` (compressor objects are kept by repr)."""
+        if self.proposer not in (None, "prompt_lookup"):
+            raise ValueError(
+                "A VeriCacheConfig whose proposer is an assistant model cannot be saved in a generation config; "
+                "save it with proposer=None and pass assistant_model= to generate."
+            )
         data = asdict(self)
         data.pop("stats")
         if not isinstance(self.compressor, str):

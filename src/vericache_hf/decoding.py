@@ -18,8 +18,9 @@ from .cache.vericache import VeriCache
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
-from .draft_length import draft_length_schedule
+from .draft_length import ProposalLength, draft_length_schedule
 from .loop import DecodeIO, Sequences, decode
+from .proposers import build_proposer
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model, warn_slow_cpu_attention
 
@@ -58,13 +59,15 @@ def generate(
     streamer=None,
     vericache_config: VeriCacheConfig | dict | None = None,
     vericache_streamer=None,
+    vericache_assistant=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:
     """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s, and
     sampled output is distributed as stock sampling's (speculative sampling).
 
     `vericache_streamer` is the streamer under a name that survives transformers' `custom_generate` path (which
-    drops `streamer`); `registration.vericache_generate` passes it, after stock generate streamed the prompt."""
+    drops `streamer`); `registration.vericache_generate` passes it, after stock generate streamed the prompt.
+    `vericache_assistant` is `assistant_model` under such a name (stock generate keeps `assistant_model` for itself)."""
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
@@ -87,6 +90,7 @@ def generate(
         stage_on_cpu=config.stage_on_cpu,
     )
     pad = generation_config._pad_token_tensor
+    proposer = build_proposer(config.proposer, config.proposal_length, generation_config, vericache_assistant)
     io = DecodeIO(
         logits_processor=logits_processor or LogitsProcessorList(),
         stopping_criteria=stopping_criteria or StoppingCriteriaList(),
@@ -96,6 +100,10 @@ def generate(
         streamer=streamer,
         keep_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         keep_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+        proposer=proposer,
+        proposal_length=(
+            ProposalLength(proposer.max_tokens, fixed=config.draft_schedule == "fixed") if proposer else None
+        ),
     )
     try:
         seqs = decode(

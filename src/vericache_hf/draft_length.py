@@ -103,6 +103,63 @@ class CostAwareDraftLength(DraftLengthSchedule):
         return expected / seconds if seconds > 0 else 0.0
 
 
+class ProposalLength:
+    """How many proposer tokens the next draft-tier pass checks (hierarchical drafting): the m in {0..limit} with
+    the most drafted tokens per second,
+
+        (1 + beta + ... + beta^m) / pass_seconds(1 + m),
+
+    where `beta` is the measured share of proposed tokens the draft tier keeps (a run: a row's first rejection ends
+    it) and a pass's time is a running linear fit in its width, proposer included. m = 0 (the draft tier alone)
+    wins when proposals are rarely kept; then a probe now and then re-measures, as in `CostAwareDraftLength`.
+    The draft length schedule sees the result as a cheaper draft step, so it drafts longer when proposals pay.
+    """
+
+    DECAY = 0.9  # per pass: the text changes, and with it what the proposer finds
+    FIRST_PROBE_AFTER = 8
+    LAST_PROBE_AFTER = 256
+
+    def __init__(self, limit: int, fixed: bool = False) -> None:
+        self.limit, self.fixed = limit, fixed  # fixed: always offer `limit` (the fixed draft schedule)
+        self.current = limit  # try proposals first: they are measured at once
+        self.kept, self.rejections = 3.0, 1.0  # a weak prior: beta = 0.75
+        self.pass_seconds = RunningLinearFit(self.DECAY)
+        self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+
+    @property
+    def beta(self) -> float:
+        return min(0.999, self.kept / (self.kept + self.rejections))
+
+    def observe(self, width: int, seconds: float, offered: list[int], kept: list[int]) -> None:
+        """One draft-tier pass of `width` tokens that took `seconds`; rows were offered and kept these counts."""
+        if self.fixed:
+            return
+        self.pass_seconds.add(width, seconds)
+        asked = [(o, k) for o, k in zip(offered, kept, strict=True) if o]
+        if asked:
+            self.kept = self.DECAY * self.kept + sum(k for _, k in asked)
+            self.rejections = self.DECAY * self.rejections + sum(k < o for o, k in asked)
+        best = max(range(self.limit + 1), key=self.tokens_per_second)
+        if best:
+            self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+            self.current = best
+            return
+        if asked and self.probing:
+            self.probe_after = min(2 * self.probe_after, self.LAST_PROBE_AFTER)
+        self.probing = False
+        self.plain_passes += 1
+        if self.plain_passes > self.probe_after:
+            self.plain_passes, self.probing = 0, True
+            self.current = self.limit
+        else:
+            self.current = 0
+
+    def tokens_per_second(self, m: int) -> float:
+        expected = (1 - self.beta ** (m + 1)) / (1 - self.beta)
+        seconds = self.pass_seconds.predict(1 + m)
+        return expected / seconds if seconds > 0 else float(m)
+
+
 class RunningMean:
     """A mean in which each older value weighs `decay` times less."""
 

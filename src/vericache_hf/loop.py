@@ -20,8 +20,9 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .cache.vericache import VeriCache
 from .compat import cache_kwargs
-from .draft_length import DraftLengthSchedule
-from .verify import choose, greedy_accept, speculative_accept
+from .draft_length import DraftLengthSchedule, ProposalLength
+from .proposers import Proposer
+from .verify import choose, greedy_accept, proposal_accept, speculative_accept
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Sequences:
     unfinished: list[bool]
     scores: list[list[torch.Tensor]] = field(default_factory=list)
     raw_logits: list[list[torch.Tensor]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # each row's first real token (after left padding)
 
     @classmethod
     def start(cls, input_ids: torch.Tensor, max_length: int, pad_token_id: int) -> Sequences:
@@ -46,6 +48,10 @@ class Sequences:
 
     def prefix(self, row: int) -> torch.Tensor:
         return self.tokens[row : row + 1, : self.lengths[row]]
+
+    def text(self, row: int) -> torch.Tensor:
+        """The row's tokens without its left padding (1-D), as a proposer should see them."""
+        return self.tokens[row, self.starts[row] : self.lengths[row]]
 
 
 @dataclass
@@ -60,24 +66,30 @@ class DecodeIO:
     streamer: object | None = None
     keep_scores: bool = False
     keep_logits: bool = False
+    proposer: Proposer | None = None  # hierarchical drafting: proposals the draft tier checks
+    proposal_length: ProposalLength | None = None
 
 
-def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Apply the logits processors to (B, V) logits for the position after each row's prefix plus `drafts` (B, s),
-    exactly the input_ids stock `generate` would hold there.
+def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Tensor], logits: torch.Tensor):
+    """Apply the logits processors to (B, V) logits for the position after each row's prefix plus its `drafts`
+    ((B, s), or one 1-D tensor per row when rows drafted different counts), exactly the input_ids stock `generate`
+    would hold there.
 
     Processors may keep per-row state indexed by batch position (the repetition penalty's prompt lengths), so
     each call sees the whole batch: one call per distinct row length, keeping the rows of that length."""
     if not io.logits_processor:
         return logits
-    drafts = drafts.to(seqs.tokens.device)
-    lengths = torch.tensor(seqs.lengths, device=logits.device)
+    rows = [row.to(seqs.tokens.device) for row in drafts]
+    totals = [seqs.lengths[b] + row.shape[-1] for b, row in enumerate(rows)]
     scores = None
-    for length in sorted(set(seqs.lengths)):
-        prefixes = torch.cat([seqs.tokens[:, :length], drafts], dim=-1)
+    for total in sorted(set(totals)):
+        prefixes = seqs.tokens.new_full((len(rows), total), io.pad_token_id)
+        for b, row in enumerate(rows):
+            whole = torch.cat([seqs.tokens[b, : seqs.lengths[b]], row])[:total]
+            prefixes[b, : whole.shape[-1]] = whole
         processed = io.logits_processor(prefixes, logits.clone())
-        rows = (lengths == length)[:, None]
-        scores = processed if scores is None else torch.where(rows, processed, scores)
+        keep = (torch.tensor(totals, device=logits.device) == total)[:, None]
+        scores = processed if scores is None else torch.where(keep, processed, scores)
     return scores
 
 
@@ -131,12 +143,16 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     first = choose(scores, io.do_sample)
     for row in range(input_ids.shape[0]):
         emit(io, seqs, row, first[row], scores[row], raw[row])
+    seqs.starts = prompt_valid.long().argmax(dim=-1).tolist()
     return first, prompt_valid.long().sum(dim=-1)
 
 
 def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
     """k steps on the draft tier, choosing from the processed draft distribution as stock `generate` would;
     returns (B, k) drafted tokens and, when sampling, their (B, k, V) draft probabilities."""
+    if io.proposer is not None:
+        return draft_with_proposals(model, cache, pending, positions, k, io, seqs)
+    cache.stats.draft_forwards += k
     drafts = pending.new_empty((pending.shape[0], k))
     probs = [] if io.do_sample else None
     token = pending
@@ -149,6 +165,76 @@ def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seq
         else:
             token = drafts[:, step] = scores.argmax(dim=-1)
     return drafts, torch.stack(probs, dim=1) if probs else None
+
+
+def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
+    """Hierarchical drafting: each draft-tier pass checks a proposer's tokens for every row at once and keeps, per
+    row, the proposals that agree with the draft tier's own choice plus that choice (`verify.proposal_accept`),
+    until every row has k drafts. Rejected slots are masked (`cache.keep_drafted`) and rolled back with the rest
+    when drafting ends. Returns what `draft` returns; the drafted tokens are distributed as plain drafting's."""
+    batch, stats, schedule = pending.shape[0], cache.stats, io.proposal_length
+    rows = [pending.new_empty(0) for _ in range(batch)]
+    probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    token, position = pending.clone(), positions.clone()
+    # a row drafts no more than it can emit: stopped rows nothing, rows near max_length what fits
+    wanted = [min(k, io.max_length - seqs.lengths[b] - 1) if seqs.unfinished[b] else 0 for b in range(batch)]
+    while max(need := [wanted[b] - row.shape[-1] for b, row in enumerate(rows)]) > 0:
+        started = time.perf_counter()
+        proposed = [
+            io.proposer.propose(
+                b, torch.cat([seqs.text(b), rows[b].to(seqs.tokens.device)]), min(limit, n - 1)
+            )
+            if (limit := schedule.current) and n > 1
+            else pending.new_empty(0)
+            for b, n in enumerate(need)
+        ]
+        offered = [p.shape[-1] for p in proposed]
+        block = pending.new_full((batch, 1 + max(offered)), io.pad_token_id)
+        block[:, 0] = token
+        for b, tokens in enumerate(proposed):
+            block[b, 1 : 1 + offered[b]] = tokens.to(block.device)
+        logits = forward(model, cache, block, position).float()  # (B, w, V)
+        scores = torch.stack(
+            [
+                process(
+                    io, seqs, [torch.cat([rows[b], block[b, 1 : 1 + s]]) for b in range(batch)], logits[:, s]
+                )
+                for s in range(block.shape[-1])
+            ],
+            dim=1,
+        )
+        kept, own = proposal_accept(block[:, 1:], torch.tensor(offered), scores, io.do_sample)
+        kept = kept.tolist()
+        live = [n > 0 for n in need]
+        slots = torch.arange(block.shape[-1])[None, :] <= torch.tensor(kept)[:, None]
+        cache.keep_drafted(slots & torch.tensor(live)[:, None])
+        for b in (b for b in range(batch) if live[b]):
+            rows[b] = torch.cat([rows[b], block[b, 1 : 1 + kept[b]], own[b : b + 1].to(block.device)])[:k]
+            if io.do_sample:
+                probs[b].extend(torch.softmax(scores[b, : kept[b] + 1], dim=-1).unbind(0))
+            token[b] = own[b]
+            position[b] += kept[b] + 1
+        stats.draft_forwards += 1
+        stats.proposed_tokens += sum(o for o, alive in zip(offered, live, strict=True) if alive)
+        stats.proposal_kept_tokens += sum(n for n, alive in zip(kept, live, strict=True) if alive)
+        schedule.observe(
+            block.shape[-1],
+            time.perf_counter() - started,
+            [o for o, alive in zip(offered, live, strict=True) if alive],
+            [n for n, alive in zip(kept, live, strict=True) if alive],
+        )
+    if not k:
+        return pending.new_empty((batch, 0)), None
+    # rows that stopped or are near max_length drafted fewer: padding, verified with the rest and never emitted
+    drafts = torch.stack(
+        [torch.cat([row, row.new_full((k - row.shape[-1],), io.pad_token_id)]) for row in rows]
+    )
+    if not io.do_sample:
+        return drafts, None
+    vocab = scores.shape[-1]
+    return drafts, torch.stack(
+        [torch.stack(row[:k] + [scores.new_zeros(vocab)] * (k - len(row[:k]))) for row in probs]
+    )
 
 
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):

@@ -48,20 +48,17 @@ def _take_stop_strings(model, kwargs: dict) -> None:
 def vericache_generate(model, *args, **kwargs):
     """Stock `generate` preparation, then VeriCache decoding.
 
-    `streamer` and `tokenizer` never reach a `custom_generate` callable: stock generate still streams the prompt,
-    the callable gets the streamer as `vericache_streamer`, and stop strings become a criterion built here.
+    `streamer`, `assistant_model` and `tokenizer` never reach a `custom_generate` callable: stock generate still
+    streams the prompt, the callable gets the streamer as `vericache_streamer` and the assistant (hierarchical
+    drafting's proposer) as `vericache_assistant`, and stop strings become a criterion built here.
     """
-    if kwargs.get("assistant_model") is not None:
-        raise ValueError(
-            "generation_mode='vericache' drafts with the model itself and cannot be combined with assistant_model; "
-            "drop one of them."
-        )
     if kwargs.get("custom_generate") is not None:
         raise ValueError(
             "generation_mode='vericache' and custom_generate cannot be combined; drop one of them."
         )
-    kwargs.pop("assistant_model", None)
     kwargs.pop("custom_generate", None)
+    if kwargs.get("assistant_model") is not None:  # the proposer of hierarchical drafting
+        kwargs["vericache_assistant"] = kwargs.pop("assistant_model")
     _take_stop_strings(model, kwargs)
     if kwargs.get("streamer") is not None:
         kwargs["vericache_streamer"] = kwargs["streamer"]

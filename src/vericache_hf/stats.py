@@ -21,6 +21,10 @@ class VeriCacheStats:
     compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
     (the full tier's layer buffers) are device memory; `full_tier_bytes` is host memory. `compress_seconds` is the
     compressor's share of `prefill_seconds` (and of refreshes).
+
+    Drafting: `draft_forwards` counts draft-tier passes (one per drafted token without a proposer). With a proposer
+    (hierarchical drafting), `proposed_tokens` were offered to the draft tier and `proposal_kept_tokens` of them
+    kept, per row; `draft_forwards_per_token` is passes per drafted position.
     """
 
     rounds: int = 0
@@ -42,6 +46,9 @@ class VeriCacheStats:
     compress_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    draft_forwards: int = 0
+    proposed_tokens: int = 0
+    proposal_kept_tokens: int = 0
     accepted_per_round: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
 
@@ -53,6 +60,17 @@ class VeriCacheStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def proposal_keep_rate(self) -> float:
+        """Share of proposed tokens the draft tier kept."""
+        return self.proposal_kept_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def draft_forwards_per_token(self) -> float:
+        """Draft-tier passes per drafted position (1.0 without a proposer; lower when proposals are kept)."""
+        drafted = sum(self.draft_lengths)
+        return self.draft_forwards / drafted if drafted else 0.0
 
     @property
     def transfer_hidden_share(self) -> float:
@@ -68,6 +86,11 @@ class VeriCacheStats:
             f"{self.mean_accepted_per_round:.1f} accepted/round, {self.emitted_tokens} tokens; "
             f"{self.bytes_to_device / MIB:.1f} MiB to device, {self.bytes_to_host / MIB:.1f} MiB to host"
         )
+        if self.proposed_tokens:
+            text += (
+                f"; proposals {self.proposal_keep_rate:.0%} kept, "
+                f"{self.draft_forwards_per_token:.2f} draft passes per drafted token"
+            )
         if self.transfer_seconds:
             text += f"; {self.transfer_hidden_share:.0%} of transfer time hidden"
         return text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -66,12 +67,15 @@ def check_generation(
         )
     if generation_config.use_cache is False:
         raise ValueError("VeriCache is a KV-cache method and needs use_cache=True; remove use_cache=False.")
-    mode = generation_config.get_generation_mode()
-    if mode == GenerationMode.ASSISTED_GENERATION:
+    if generation_config.assistant_early_exit is not None:
         raise ValueError(
-            "VeriCache already drafts with the model itself and cannot be combined with assisted generation "
-            "(prompt_lookup_num_tokens / assistant_early_exit / assistant_model); drop one of them."
+            "VeriCache cannot draft with assistant_early_exit (it drafts with the whole model on the compressed "
+            "cache); drop assistant_early_exit, or use prompt_lookup_num_tokens or assistant_model as its proposer."
         )
+    # prompt lookup is hierarchical drafting's proposer here; the decoding mode is what remains without it
+    mode = copy.copy(generation_config)
+    mode.prompt_lookup_num_tokens = None
+    mode = mode.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(
             f"VeriCache serves greedy search and sampling only, but these settings select {mode.value}; "

@@ -49,7 +49,9 @@ def speculative_accept(
     if k:
         p = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]
         q = draft_probs.gather(-1, drafts[..., None])[..., 0]
-        keep = torch.rand_like(p) * q < p  # u < p / q without dividing by q
+        # u < p / q without dividing by q; a draft its q gives no mass was not drawn from q (a row's padding
+        # past what it may emit) and is never kept, so that position draws from p itself
+        keep = (torch.rand_like(p) * q < p) & (q > 0)
         accepted = keep.long().cumprod(dim=-1).sum(dim=-1)
     else:
         accepted = torch.zeros(batch, dtype=torch.long, device=drafts.device)
@@ -66,3 +68,39 @@ def speculative_accept(
     tokens = torch.cat([drafts, last[:, None]], dim=-1)
     tokens[rows, accepted] = last
     return accepted, tokens
+
+
+def proposal_accept(
+    proposals: torch.Tensor, offered: torch.Tensor, scores: torch.Tensor, do_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft tier's check of a proposer's tokens (hierarchical drafting), one row each.
+
+    proposals (B, m) were offered after each row's input token, `offered` (B,) of them real (the rest padding);
+    scores (B, m+1, V) are the draft tier's processed scores at the input token and at each proposal. Returns
+    `kept` (B,), the leading proposals kept, and `own` (B,), the draft tier's token after them.
+
+    Greedy keeps a proposal while it equals the draft tier's argmax, so the drafted tokens are the ones plain drafting
+    would choose. Sampling treats the proposer as deterministic (its proposals are a function of the prefix) and runs
+    speculative sampling against that point mass: keep x with probability p(x), else draw from p with x removed;
+    after the last offered proposal draw from p. Either way each drafted token is distributed as the draft tier's p,
+    which the full tier's speculative check then uses as the draft distribution, so the output stays exact.
+    """
+    batch, m = proposals.shape
+    rows = torch.arange(batch, device=scores.device)
+    in_range = torch.arange(m, device=scores.device)[None, :] < offered.to(scores.device)[:, None]
+    proposals = proposals.to(scores.device)
+    if not do_sample:
+        own_all = scores.argmax(dim=-1)  # (B, m+1)
+        agree = (own_all[:, :m] == proposals) & in_range
+        kept = agree.long().cumprod(dim=-1).sum(dim=-1)
+        return kept, own_all[rows, kept]
+    probs = torch.softmax(scores, dim=-1)
+    p_offered = probs[:, :m].gather(-1, proposals[..., None])[..., 0]
+    agree = (torch.rand_like(p_offered) < p_offered) & in_range
+    kept = agree.long().cumprod(dim=-1).sum(dim=-1)
+    residual = probs[rows, kept].clone()
+    rejected = kept < offered.to(kept.device)
+    rejected_token = proposals[rows, kept.clamp(max=max(m - 1, 0))] if m else kept
+    residual[rows[rejected], rejected_token[rejected]] = 0  # a rejected proposal is not drawn again
+    residual = residual / residual.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(residual.dtype).tiny)
+    return kept, torch.multinomial(residual, num_samples=1)[:, 0]

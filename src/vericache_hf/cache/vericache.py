@@ -172,6 +172,7 @@ class VeriCache(Cache):
         self._capture: LayerInputCapture | None = None
         self._round: dict[int, LayerTransfer] | None = None  # the next verify pass's transfers, by layer
         self._staged: list[LayerTransfer] = []  # transfers the running verify pass has read
+        self._draft_valid: torch.Tensor | None = None  # (B, drafted slots marked by `keep_drafted`)
         super().__init__(layers=[VeriCacheLayer(i, self) for i in range(num_layers)])
 
     # -- phases --------------------------------------------------------------------------------------------------
@@ -219,8 +220,29 @@ class VeriCache(Cache):
             self.end_round()
             raise
         finally:
+            self._draft_valid = None
             for layer in self.layers:
                 layer.draft.rollback_draft()
+
+    def keep_drafted(self, valid: torch.Tensor) -> None:
+        """Mask drafted slots a row does not keep. `valid` (B, q) covers the last q drafted slots (a multi-token
+        draft pass whose tail a row rejected); slots never marked count as kept. Drafting only."""
+        if self.phase != "drafting":
+            raise RuntimeError("keep_drafted marks draft slots; call it inside drafting().")
+        drafted, query = self.layers[0].draft.num_drafted, valid.shape[-1]
+        marks = self._draft_marks(drafted - query)
+        self._draft_valid = torch.cat([marks, valid.to(marks.device, torch.bool)], dim=-1)
+
+    def _draft_marks(self, slots: int) -> torch.Tensor:
+        """(B, slots) validity of the first `slots` drafted slots."""
+        committed = self.layers[0].draft.valid
+        marks = (
+            self._draft_valid
+            if self._draft_valid is not None
+            else committed.new_ones((committed.shape[0], 0))
+        )
+        unmarked = committed.new_ones((committed.shape[0], slots - marks.shape[-1]))
+        return torch.cat([marks[:, :slots], unmarked], dim=-1)
 
     @contextmanager
     def verifying(self) -> Iterator[None]:
@@ -250,10 +272,11 @@ class VeriCache(Cache):
     def attention_mask(self, query_length: int) -> torch.Tensor:
         """(B, slots + query_length) mask over the physical slots of the tier the next pass reads."""
         if self.phase == "drafting":
-            committed, drafted = self.layers[0].draft.valid, self.layers[0].draft.num_drafted
+            draft = self.layers[0].draft
+            committed = torch.cat([draft.valid, self._draft_marks(draft.num_drafted)], dim=-1)
         else:
-            committed, drafted = self.full_valid, 0
-        fresh = committed.new_ones((committed.shape[0], drafted + query_length))
+            committed = self.full_valid
+        fresh = committed.new_ones((committed.shape[0], query_length))
         return torch.cat([committed.to(fresh.device), fresh], dim=-1).long()
 
     def draft_tier_bytes(self) -> int:
