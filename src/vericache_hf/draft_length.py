@@ -19,8 +19,16 @@ class DraftLengthSchedule:
     def __init__(self, config: VeriCacheConfig) -> None:
         self.current = config.draft_length
 
-    def observe(self, drafted: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
-        pass
+    def observe(
+        self,
+        drafted: int,
+        accepted: list[int],
+        draft_seconds: float,
+        verify_seconds: float,
+        verified: int | None = None,
+    ) -> None:
+        """After a round that drafted `drafted` tokens on the draft tier and verified a block of `verified` tokens
+        (drafted + 1, or in a plain round with a proposer, its proposals + 1)."""
 
 
 class AcceptanceDraftLength(DraftLengthSchedule):
@@ -31,7 +39,7 @@ class AcceptanceDraftLength(DraftLengthSchedule):
         super().__init__(config)
         self.low, self.high = config.min_draft_length, config.max_draft_length
 
-    def observe(self, drafted: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
         if drafted < self.current or not accepted:
             return  # a draft cut short by the length budget says nothing about how far drafts run
         mean_accepted = sum(accepted) / len(accepted)
@@ -66,13 +74,19 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.draft_step = RunningMean(self.COST_DECAY)
         self.verify = RunningLinearFit(self.COST_DECAY)
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+        # plain rounds with a proposer verify its tokens too: what they gain, and how wide they are
+        self.plain_gain, self.plain_width = RunningMean(self.COST_DECAY), RunningMean(self.COST_DECAY)
 
     @property
     def alpha(self) -> float:
         return min(0.999, self.accepted / (self.accepted + self.rejections))
 
-    def observe(self, drafted: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
-        self.verify.add(drafted + 1, verify_seconds)
+    def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
+        width = verified or drafted + 1
+        self.verify.add(width, verify_seconds)
+        if not drafted and width > 1 and accepted:  # a plain round that verified a proposer's tokens
+            self.plain_gain.add(sum(accepted) / len(accepted))
+            self.plain_width.add(width)
         if drafted and accepted:
             self.draft_step.add(draft_seconds / drafted)
             # a row that took all k drafts was not rejected: it says alpha is high, not how high
@@ -98,8 +112,11 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
     def tokens_per_second(self, k: int) -> float:
         """Expected tokens per row and second for a round that drafts k."""
-        expected = (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
-        seconds = k * self.draft_step.value + self.verify.predict(k + 1)
+        if not k:  # a plain round: one token, plus what a proposer's verified tokens added
+            expected, seconds = 1 + self.plain_gain.value, self.verify.predict(self.plain_width.value or 1)
+        else:
+            expected = (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
+            seconds = k * self.draft_step.value + self.verify.predict(k + 1)
         return expected / seconds if seconds > 0 else 0.0
 
 

@@ -237,6 +237,22 @@ def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io
     )
 
 
+def propose_to_full_tier(io: DecodeIO, seqs: Sequences, pending) -> tuple[torch.Tensor, torch.Tensor]:
+    """The proposer's tokens for a round that drafts nothing on the draft tier, to verify directly (classic
+    speculative decoding): (B, m) proposals after each row's pending token, padded, and (B,) real counts. A row
+    gets no more than it can emit; stopped rows get none."""
+    rows = []
+    for b in range(len(seqs.lengths)):
+        room = io.max_length - seqs.lengths[b] - 1
+        wanted = min(io.proposer.max_tokens, room) if seqs.unfinished[b] else 0  # the text ends in `pending`
+        rows.append(io.proposer.propose(b, seqs.text(b), wanted) if wanted > 0 else pending.new_empty(0))
+    counts = torch.tensor([row.shape[-1] for row in rows])
+    block = pending.new_full((len(rows), int(counts.max())), io.pad_token_id)
+    for b, row in enumerate(rows):
+        block[b, : row.shape[-1]] = row.to(block.device)
+    return block, counts
+
+
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
     """One pass over [pending + drafts] on the full tier; returns raw logits and processed scores (B, k+1, V),
     position s processed with each row's prefix plus its first s drafts."""
@@ -279,14 +295,27 @@ def decode(
         k = max(0, min(schedule.current, room - 1))
 
         started = time.perf_counter()
-        with cache.drafting(k):  # the full tier streams to the device meanwhile
-            drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
+        # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
+        offered = propose_to_full_tier(io, seqs, pending) if not k and io.proposer is not None else None
+        with cache.drafting(
+            k if offered is None else offered[0].shape[-1]
+        ):  # the full tier streams in meanwhile
+            if offered is None:
+                drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
+            else:
+                drafts, draft_probs = offered[0], None
         if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
             torch.cuda.current_stream(drafts.device).synchronize()
         draft_seconds = time.perf_counter() - started
         started = time.perf_counter()
         with cache.verifying():
             raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
+        if (
+            offered is not None and io.do_sample
+        ):  # the proposer's point masses; padding gets none (never kept)
+            real = torch.arange(drafts.shape[-1])[None, :] < offered[1][:, None]
+            draft_probs = torch.nn.functional.one_hot(drafts, scores.shape[-1]).to(scores.dtype)
+            draft_probs *= real.to(draft_probs.device)[..., None]
         accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
         verify_seconds = time.perf_counter() - started
         stats.draft_seconds += draft_seconds
@@ -302,7 +331,10 @@ def decode(
             stats.record_round(k, accepted_active)
         else:
             stats.plain_rounds += 1
-        schedule.observe(k, accepted_active, draft_seconds, verify_seconds)
+        if offered is not None:
+            stats.proposed_tokens += int(offered[1].sum())
+            stats.proposals_verified_kept += sum(min(accepted[b], int(offered[1][b])) for b in active)
+        schedule.observe(k, accepted_active, draft_seconds, verify_seconds, verified=drafts.shape[-1] + 1)
         if not any(seqs.unfinished):
             break
         counts = torch.tensor([accepted[b] + 1 if b in active else 0 for b in range(len(accepted))])

@@ -23,8 +23,9 @@ class VeriCacheStats:
     compressor's share of `prefill_seconds` (and of refreshes).
 
     Drafting: `draft_forwards` counts draft-tier passes (one per drafted token without a proposer). With a proposer
-    (hierarchical drafting), `proposed_tokens` were offered to the draft tier and `proposal_kept_tokens` of them
-    kept, per row; `draft_forwards_per_token` is passes per drafted position.
+    (hierarchical drafting), `proposed_tokens` were offered, per row: to the draft tier, which kept
+    `proposal_kept_tokens`, or in plain rounds straight to the full tier, which accepted `proposals_verified_kept`.
+    `draft_forwards_per_token` is draft-tier passes per drafted position.
     """
 
     rounds: int = 0
@@ -49,6 +50,7 @@ class VeriCacheStats:
     draft_forwards: int = 0
     proposed_tokens: int = 0
     proposal_kept_tokens: int = 0
+    proposals_verified_kept: int = 0  # proposals the full tier accepted in plain rounds (verified directly)
     accepted_per_round: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
 
@@ -63,8 +65,9 @@ class VeriCacheStats:
 
     @property
     def proposal_keep_rate(self) -> float:
-        """Share of proposed tokens the draft tier kept."""
-        return self.proposal_kept_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+        """Share of proposed tokens kept (by the draft tier, or by the full tier in plain rounds)."""
+        kept = self.proposal_kept_tokens + self.proposals_verified_kept
+        return kept / self.proposed_tokens if self.proposed_tokens else 0.0
 
     @property
     def draft_forwards_per_token(self) -> float:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..arguments import HelpFormatter, comma_list
-from .methods import PEERS
+from .methods import PEERS, PROPOSERS
 from .workloads import KINDS
 
 #: Settings that change speed, never results (see the project's field notes on where the time goes on CPU).
@@ -89,6 +89,14 @@ def add_bench_command(subparsers) -> None:
         "VeriCacheConfig's default schedule only)",
     )
     parser.add_argument(
+        "--proposers",
+        type=comma_list(choices=("none", *PROPOSERS)),
+        metavar="NAME,...",
+        default="none,prompt_lookup",
+        help="VeriCache once per proposer, side by side: none (the draft tier alone) and prompt_lookup "
+        "(hierarchical drafting: prompt lookup proposes, the draft tier checks, the full tier verifies)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="interleaved timing repeats (medians are reported)"
     )
     parser.add_argument(
@@ -130,12 +138,12 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
 #: Settings that change what a workload's rows mean; a resumed run must share them with the saved one.
 RESUME_KEYS = (
     "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "draft_schedules",
-    "repeats", "peers", "no_peers",
+    "repeats", "peers", "no_peers", "proposers",
 )  # fmt: skip
 
 
 #: What files written before a key of RESUME_KEYS existed were made with.
-BEFORE_THE_KEY = {"draft_schedules": ["adaptive"]}
+BEFORE_THE_KEY = {"draft_schedules": ["adaptive"], "proposers": ["none"]}
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -269,6 +277,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         peers=[] if args.no_peers else args.peers,
         draft_length=args.draft_length,
         draft_schedules=args.draft_schedules,
+        proposers=args.proposers,
     )
     settings = run_settings(args)
     settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})

@@ -2,7 +2,8 @@
 
 - `full`: stock greedy `generate` on the full cache, the reference every other output is compared with;
 - `lossy`: greedy decoding on the compressed cache alone (`vericache_tools.lossy.compressed_only_generate`);
-- `vericache`: draft on the compressed cache, verify against the full one;
+- `vericache`: draft on the compressed cache, verify against the full one; with `proposer="prompt_lookup"`, the
+  composed method (hierarchical drafting: prompt lookup proposes, the draft tier checks, the full tier verifies);
 - `prompt_lookup` and `early_exit`: transformers' own lossless speculative methods, which run in the same process
   with the same model (prompt-lookup decoding; assisted decoding with the model's first layers as its draft). HF's
   assisted decoding is batch-1 only, so both are skipped (n/a) at larger batch sizes.
@@ -38,6 +39,7 @@ class Method:
     compression_ratio: float | None = None
     draft_length: int = 8
     draft_schedule: str | None = None  # None: VeriCacheConfig's default
+    proposer: str | None = None  # VeriCache's proposer ("prompt_lookup"), None: the draft tier alone
     lookup_tokens: int = 10
     early_exit_layers: int = 8
 
@@ -47,6 +49,8 @@ class Method:
         needs_compressor = self.family in ("lossy", "vericache")
         if needs_compressor and (self.compressor is None or self.compression_ratio is None):
             raise ValueError(f"A {self.family} method needs a compressor and a compression_ratio.")
+        if self.proposer is not None and (self.family != "vericache" or self.proposer not in PROPOSERS):
+            raise ValueError(f"Only VeriCache takes a proposer, one of {PROPOSERS}; got {self.proposer!r}.")
 
     @property
     def name(self) -> str:
@@ -54,7 +58,8 @@ class Method:
             return f"{self.compressor}@{self.compression_ratio:g} only (lossy)"
         if self.family == "vericache":
             schedule = f" [{self.draft_schedule}]" if self.draft_schedule else ""
-            return f"VeriCache {self.compressor}@{self.compression_ratio:g}{schedule}"
+            proposer = " + prompt lookup" if self.proposer else ""
+            return f"VeriCache {self.compressor}@{self.compression_ratio:g}{proposer}{schedule}"
         if self.family == "prompt_lookup":
             return f"HF prompt lookup ({self.lookup_tokens})"
         if self.family == "early_exit":
@@ -91,6 +96,8 @@ class Method:
                 compressor=self.compressor,
                 compression_ratio=self.compression_ratio,
                 draft_length=self.draft_length,
+                proposer=self.proposer,
+                proposal_length=self.lookup_tokens,
                 stats=stats,
                 **({"draft_schedule": self.draft_schedule} if self.draft_schedule else {}),
             )
@@ -104,6 +111,8 @@ class Method:
 
 
 PEERS = ("prompt_lookup", "early_exit")
+#: VeriCache's proposers in a bench; "none" is VeriCache alone.
+PROPOSERS = ("prompt_lookup",)
 
 
 def build_methods(
@@ -112,10 +121,11 @@ def build_methods(
     peers: bool | list[str] = True,
     draft_length: int = 8,
     draft_schedules: list[str] | None = None,
+    proposers: list[str] | None = None,
 ) -> list[Method]:
     """Full cache first (the reference), then compressed-only and VeriCache for each compressor and ratio (one
-    VeriCache per schedule in `draft_schedules`; None: the config's default), then the HF peers (`True`: all of
-    `PEERS`, or a list of their names)."""
+    VeriCache per schedule in `draft_schedules`, None: the config's default; and per entry of `proposers`, "none"
+    being VeriCache alone, None: ["none"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
     chosen = list(PEERS) if peers is True else list(peers or [])
     unknown = [name for name in chosen if name not in PEERS]
     if unknown:
@@ -125,10 +135,15 @@ def build_methods(
             VeriCacheConfig(draft_schedule=name)  # the config knows its schedules
         except ValueError as error:
             raise ValueError(f"Unknown draft schedule {name!r} in draft_schedules: {error}") from None
+    unknown = [name for name in proposers or [] if name != "none" and name not in PROPOSERS]
+    if unknown:
+        raise ValueError(f"Unknown proposer(s) {unknown}; choose from {('none', *PROPOSERS)}.")
     methods = [Method("full")]
     for compressor in compressors:
         for ratio in ratios:
             methods.append(Method("lossy", compressor, ratio))
             for schedule in draft_schedules or [None]:
-                methods.append(Method("vericache", compressor, ratio, draft_length, schedule))
+                for proposer in proposers or ["none"]:
+                    proposer = None if proposer == "none" else proposer
+                    methods.append(Method("vericache", compressor, ratio, draft_length, schedule, proposer))
     return methods + [Method(name) for name in chosen]

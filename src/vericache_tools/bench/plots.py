@@ -26,6 +26,7 @@ COLORS = {
     "full": "black",
     "lossy": "tab:red",
     "vericache": "tab:blue",
+    "vericache+prompt_lookup": "tab:purple",  # the composed method
     "prompt_lookup": "tab:olive",  # peers: hues that the compressor pairs reach last
     "early_exit": "tab:cyan",
 }
@@ -74,12 +75,12 @@ def plot_throughput(rows: list[dict], path: Path, key: str = "decode_ratio") -> 
         curves: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
         for row in rows:
             if row["workload"] == workload and row["family"] in ("lossy", "vericache") and _ok(row.get(key)):
-                curve = curves.setdefault(
-                    (row["family"], row["compressor"], row.get("draft_schedule") or ""), []
-                )
+                family = row["family"] + (f"+{row['proposer']}" if row.get("proposer") else "")
+                curve = curves.setdefault((family, row["compressor"], row.get("draft_schedule") or ""), [])
                 curve.append((row["compression_ratio"], row[key]))
         for (family, compressor, schedule), points in sorted(curves.items()):
             label = f"{compressor} only (lossy)" if family == "lossy" else f"VeriCache ({compressor})"
+            label += " + prompt lookup" if family.endswith("+prompt_lookup") else ""
             label += f" [{schedule}]" if schedule else ""
             style = "--" if family == "lossy" else SCHEDULE_STYLES.get(schedule, "-")
             marker = MARKERS.get(compressor, "o")

@@ -83,6 +83,8 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
     }
     if method.draft_schedule:
         row["draft_schedule"] = method.draft_schedule
+    if method.proposer:
+        row["proposer"] = method.proposer
     if any(s.skipped for s in group):
         row["na"] = group[0].skipped
         for key in ("tokens_per_s", "decode_tokens_per_s", "identical_share"):
@@ -163,6 +165,10 @@ def _vericache_numbers(row: dict[str, Any], group: list[Sample]) -> None:
     ):
         row[name] = sum(getattr(st, name, 0.0) for st in stats)
     row["bytes_to_device"] = sum(st.bytes_to_device for st in stats)
+    for name in ("draft_forwards", "proposed_tokens", "proposal_kept_tokens"):
+        row[name] = sum(getattr(st, name, 0) for st in stats)
+    positions = sum(sum(st.draft_lengths) for st in stats)
+    row["draft_forwards_per_token"] = row["draft_forwards"] / positions if positions else float("nan")
     row["accepted_per_round"] = list(stats[0].accepted_per_round)
     row["draft_lengths"] = list(stats[0].draft_lengths)
 
@@ -179,6 +185,7 @@ def _fill_lossy_bytes(rows: list[dict[str, Any]]) -> None:
                 if r["family"] == "vericache"
                 and r["workload"] == row["workload"]
                 and (r["compressor"], r["compression_ratio"]) == (row["compressor"], row["compression_ratio"])
+                and "draft_tier_bytes" in r
             ),
             None,
         )
