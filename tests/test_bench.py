@@ -101,7 +101,12 @@ def test_report_and_plots_are_written(bench_rows, tmp_path):
     assert "VeriCache snapkv@0.75" in table and "n/a" in table
     overview = overview_table(rows).splitlines()  # a line per method, a column per workload
     assert len(overview) == 2 + len({r["method"] for r in rows})
-    assert overview[0].count("|") == 2 + len({r["workload"] for r in rows})
+    assert overview[0].count("|") == 4 + len({r["workload"] for r in rows})  # and the two floor columns
+    for line in overview[2:]:  # each method's floor is its worst cell
+        method = line.split(" | ")[0].removeprefix("| ")
+        decode = [r["decode_ratio"] for r in rows if r["method"] == method and "na" not in r]
+        whole = [r["speed_ratio"] for r in rows if r["method"] == method and "na" not in r]
+        assert line.split(" | ")[-2:] == [f"{min(decode):.2f}", f"{min(whole):.2f} |"]
     assert not any("DIFFERS" in line for line in overview) and overview[0] in table
     for figure in plot_all(data["rows"], tmp_path):
         assert figure.stat().st_size > 5_000
@@ -120,7 +125,9 @@ def test_a_grid_run_plots_a_panel_per_workload_in_table_order(bench_rows, tmp_pa
     grid = longer + rows  # run order is not table order
     order = workload_order(grid)
     assert order == ["qa-70-b1", "qa-70-b2", "code-2k-b1", "code-4k-b1", "code-8k-b1"]
-    assert overview_table(grid).splitlines()[0] == "| method | " + " | ".join(order) + " |"
+    assert overview_table(grid).splitlines()[0] == (
+        "| method | " + " | ".join(order) + " | floor (decode) | floor (whole call) |"
+    )
     fig, panels = _panels(order)
     assert list(panels) == order and len(fig.axes) == 8  # four a row: two rows, three spare panels hidden
     assert sum(ax.get_visible() for ax in fig.axes) == 5
@@ -153,6 +160,27 @@ def test_build_methods_puts_the_reference_first():
     assert len(build_methods(["snapkv"], [0.75], peers=[])) == 3
     with pytest.raises(ValueError, match="Unknown peer"):
         build_methods(["snapkv"], [0.75], peers=["medusa"])
+
+
+def test_composed_method_runs_beside_vericache_alone_and_stays_lossless(llama):
+    methods = build_methods(["streaming_llm"], [0.5], peers=False, proposers=["none", "prompt_lookup"])
+    composed = [m for m in methods if m.proposer]
+    assert [m.name for m in methods if m.family == "vericache"] == [
+        "VeriCache streaming_llm@0.5",
+        "VeriCache streaming_llm@0.5 + prompt lookup",
+    ]
+    with pytest.raises(ValueError, match="Unknown proposer"):
+        build_methods(["snapkv"], [0.75], proposers=["eagle"])
+    with pytest.raises(ValueError, match="Only VeriCache takes a proposer"):
+        Method("full", proposer="prompt_lookup")
+    workload = synthetic_workload(2, pad=3)
+    ids = workload.batches[0].input_ids
+    workload.batches[0].input_ids[:] = torch.cat([ids[:, :35], ids[:, :35]], dim=1)  # something to look up
+    samples = run_bench(
+        llama, [workload], [Method("full"), *composed], max_new_tokens=16, repeats=1, progress=False
+    )
+    (row,) = [r for r in summarize(samples, [workload]) if r["family"] == "vericache"]
+    assert row["identical_share"] == 1.0 and row["proposer"] == "prompt_lookup" and row["proposed_tokens"] > 0
 
 
 def test_draft_schedules_run_side_by_side_each_lossless(llama, tmp_path):

@@ -104,6 +104,7 @@ def generate(
         proposal_length=(
             ProposalLength(proposer.max_tokens, fixed=config.draft_schedule == "fixed") if proposer else None
         ),
+        plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
     )
     try:
         seqs = decode(

@@ -121,8 +121,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
 
 class ProposalLength:
-    """How many proposer tokens the next draft-tier pass checks (hierarchical drafting): the m in {0..limit} with
-    the most drafted tokens per second,
+    """How many proposer tokens the next pass checks (hierarchical drafting; one instance for draft-tier passes and
+    one for plain rounds, which verify proposals on the full tier): the m in {0..limit} with the most tokens per
+    second,
 
         (1 + beta + ... + beta^m) / pass_seconds(1 + m),
 

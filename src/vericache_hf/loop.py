@@ -67,7 +67,8 @@ class DecodeIO:
     keep_scores: bool = False
     keep_logits: bool = False
     proposer: Proposer | None = None  # hierarchical drafting: proposals the draft tier checks
-    proposal_length: ProposalLength | None = None
+    proposal_length: ProposalLength | None = None  # how many a draft-tier pass checks
+    plain_proposal_length: ProposalLength | None = None  # how many a plain round verifies on the full tier
 
 
 def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Tensor], logits: torch.Tensor):
@@ -237,19 +238,24 @@ def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io
     )
 
 
-def propose_to_full_tier(io: DecodeIO, seqs: Sequences, pending) -> tuple[torch.Tensor, torch.Tensor]:
+def propose_to_full_tier(io: DecodeIO, seqs: Sequences, pending) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The proposer's tokens for a round that drafts nothing on the draft tier, to verify directly (classic
-    speculative decoding): (B, m) proposals after each row's pending token, padded, and (B,) real counts. A row
-    gets no more than it can emit; stopped rows get none."""
+    speculative decoding): (B, m) proposals after each row's pending token, padded, and (B,) real counts, or None
+    when `plain_proposal_length` says they do not pay. A row gets no more than it can emit; stopped rows none."""
+    limit = io.plain_proposal_length.current
+    if not limit:
+        return None
     rows = []
     for b in range(len(seqs.lengths)):
         room = io.max_length - seqs.lengths[b] - 1
-        wanted = min(io.proposer.max_tokens, room) if seqs.unfinished[b] else 0  # the text ends in `pending`
+        wanted = min(limit, room) if seqs.unfinished[b] else 0  # the text ends in `pending`
         rows.append(io.proposer.propose(b, seqs.text(b), wanted) if wanted > 0 else pending.new_empty(0))
     counts = torch.tensor([row.shape[-1] for row in rows])
     block = pending.new_full((len(rows), int(counts.max())), io.pad_token_id)
     for b, row in enumerate(rows):
         block[b, : row.shape[-1]] = row.to(block.device)
+    if not int(counts.max()):
+        return None
     return block, counts
 
 
@@ -296,7 +302,8 @@ def decode(
 
         started = time.perf_counter()
         # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
-        offered = propose_to_full_tier(io, seqs, pending) if not k and io.proposer is not None else None
+        plain_proposals = not k and io.proposer is not None
+        offered = propose_to_full_tier(io, seqs, pending) if plain_proposals else None
         with cache.drafting(
             k if offered is None else offered[0].shape[-1]
         ):  # the full tier streams in meanwhile
@@ -331,9 +338,15 @@ def decode(
             stats.record_round(k, accepted_active)
         else:
             stats.plain_rounds += 1
-        if offered is not None:
-            stats.proposed_tokens += int(offered[1].sum())
-            stats.proposals_verified_kept += sum(min(accepted[b], int(offered[1][b])) for b in active)
+        if plain_proposals:
+            counts = offered[1].tolist() if offered is not None else [0] * len(accepted)
+            kept = [min(accepted[b], counts[b]) for b in active]
+            stats.proposed_tokens += sum(counts)
+            stats.proposals_verified_kept += sum(kept)
+            width = drafts.shape[-1] + 1
+            io.plain_proposal_length.observe(
+                width, draft_seconds + verify_seconds, [counts[b] for b in active], kept
+            )
         schedule.observe(k, accepted_active, draft_seconds, verify_seconds, verified=drafts.shape[-1] + 1)
         if not any(seqs.unfinished):
             break

@@ -18,7 +18,8 @@ transfer queued after one commit and read before the next sees exactly the commi
 
 Every length this cache reports is *physical* (slots held), which is what transformers' mask code works in. Rows may
 hold masked slots (left padding, or tokens another row accepted that this row did not), so the loop always passes
-explicit `position_ids`, and the 2-D `attention_mask` built by `attention_mask()`.
+explicit `position_ids`, and the 2-D `attention_mask` built by `attention_mask()` (None while a tier has no masked
+slot, as a stock decode step passes none).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class VeriCache(Cache):
         self._round: dict[int, LayerTransfer] | None = None  # the next verify pass's transfers, by layer
         self._staged: list[LayerTransfer] = []  # transfers the running verify pass has read
         self._draft_valid: torch.Tensor | None = None  # (B, drafted slots marked by `keep_drafted`)
+        # no masked slot in the tier (no padding, nothing a row rejected): passes need no explicit mask
+        self._full_dense = self._draft_dense = False
         super().__init__(layers=[VeriCacheLayer(i, self) for i in range(num_layers)])
 
     # -- phases --------------------------------------------------------------------------------------------------
@@ -193,6 +196,7 @@ class VeriCache(Cache):
             raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
         self.prompt_valid = prompt_valid.bool()
         self.full_valid = self.prompt_valid.clone()
+        self._full_dense = bool(self.prompt_valid.all())
         capture = (
             LayerInputCapture(model, self, self.prompt_valid)
             if self.compressor.needs_hidden_states
@@ -213,6 +217,7 @@ class VeriCache(Cache):
         """Up to `draft_length` draft steps. The full tier starts streaming in for the verify pass that follows;
         the drafted tokens are rolled back on exit."""
         self.prefetch(room=draft_length + 1)
+        self._draft_dense = bool(self.layers[0].draft.valid.all())
         try:
             with self._phase("drafting", "idle"):
                 yield
@@ -232,6 +237,7 @@ class VeriCache(Cache):
         drafted, query = self.layers[0].draft.num_drafted, valid.shape[-1]
         marks = self._draft_marks(drafted - query)
         self._draft_valid = torch.cat([marks, valid.to(marks.device, torch.bool)], dim=-1)
+        self._draft_dense = self._draft_dense and bool(valid.all())
 
     def _draft_marks(self, slots: int) -> torch.Tensor:
         """(B, slots) validity of the first `slots` drafted slots."""
@@ -268,13 +274,20 @@ class VeriCache(Cache):
         for layer in self.layers:
             layer.commit(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)
+        self._full_dense = self._full_dense and bool(valid.all())
 
-    def attention_mask(self, query_length: int) -> torch.Tensor:
-        """(B, slots + query_length) mask over the physical slots of the tier the next pass reads."""
+    def attention_mask(self, query_length: int) -> torch.Tensor | None:
+        """(B, slots + query_length) mask over the physical slots of the tier the next pass reads, or None when
+        every slot holds a real token: then the pass is causal over physical slots, which transformers builds
+        itself, and a one-token pass needs no mask at all (sdpa's fastest path, as in a stock decode step)."""
         if self.phase == "drafting":
+            if self._draft_dense:
+                return None
             draft = self.layers[0].draft
             committed = torch.cat([draft.valid, self._draft_marks(draft.num_drafted)], dim=-1)
         else:
+            if self._full_dense:
+                return None
             committed = self.full_valid
         fresh = committed.new_ones((committed.shape[0], query_length))
         return torch.cat([committed.to(fresh.device), fresh], dim=-1).long()

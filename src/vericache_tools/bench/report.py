@@ -165,7 +165,7 @@ def _vericache_numbers(row: dict[str, Any], group: list[Sample]) -> None:
     ):
         row[name] = sum(getattr(st, name, 0.0) for st in stats)
     row["bytes_to_device"] = sum(st.bytes_to_device for st in stats)
-    for name in ("draft_forwards", "proposed_tokens", "proposal_kept_tokens"):
+    for name in ("draft_forwards", "proposed_tokens", "proposal_kept_tokens", "proposals_verified_kept"):
         row[name] = sum(getattr(st, name, 0) for st in stats)
     positions = sum(sum(st.draft_lengths) for st in stats)
     row["draft_forwards_per_token"] = row["draft_forwards"] / positions if positions else float("nan")
@@ -254,13 +254,19 @@ def workload_order(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def overview_table(rows: list[dict[str, Any]]) -> str:
-    """The whole run in one table: a method per line, a workload per column, decode speed against full cache."""
+    """The whole run in one table: a method per line, a workload per column, decode speed against full cache; then
+    each method's floor, its worst cell across the workloads, in decode and in whole-call (prefill included) speed."""
     workloads = workload_order(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cells = {(r["method"], r["workload"]): _overview_cell(r) for r in rows}
-    lines = ["| method | " + " | ".join(workloads) + " |", "|" + "---|" * (len(workloads) + 1)]
+    header = ["method", *workloads, "floor (decode)", "floor (whole call)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
         line = [cells.get((method, w), "") for w in workloads]
+        mine = [r for r in rows if r["method"] == method and "na" not in r]
+        for key in ("decode_ratio", "speed_ratio"):
+            values = [r[key] for r in mine if isinstance(r.get(key), float) and not math.isnan(r[key])]
+            line.append(_fmt(min(values), ".2f") if values else "n/a")
         lines.append(f"| {method} | " + " | ".join(line) + " |")
     return "\n".join(lines)
 
@@ -269,16 +275,18 @@ def overview_table(rows: list[dict[str, Any]]) -> str:
 OVERVIEW_KEY = (
     "Decode tokens/s as a multiple of full-cache decoding. (n): VeriCache's accepted drafts per round. [k%]: share "
     "of a lossy method's outputs identical to full-cache output; a lossless method is marked DIFFERS if any "
-    "output was not. n/a: HF's assisted decoding is batch-1 only."
+    "output was not. n/a: HF's assisted decoding is batch-1 only. Floor: the method's worst cell across the "
+    "workloads, in decode speed and in whole-call speed (prefill included), against full cache."
 )
 
 
 def time_table(rows: list[dict[str, Any]]) -> str:
-    """Where VeriCache's time goes: prefill (compression shown apart), draft steps, verify passes, transfers."""
+    """Where VeriCache's time goes: prefill (compression shown apart), draft steps, verify passes, transfers; with a
+    proposer, draft-tier passes per drafted token and the share of proposed tokens kept."""
     lines = [
         "| workload | method | prefill s | of which compress s | draft s | verify s | transfer s (waited) | rounds "
-        "(plain) | MiB staged |",
-        "|" + "---|" * 9,
+        "(plain) | MiB staged | draft passes/token | proposals kept |",
+        "|" + "---|" * 11,
     ]
     for r in rows:
         if r["family"] != "vericache" or "rounds" not in r:
@@ -288,9 +296,18 @@ def time_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['workload']} | {r['method']} | {r['prefill_seconds']:.2f} | {r['compress_seconds']:.2f} | "
             f"{r['draft_seconds']:.2f} | "
             f"{r['verify_seconds']:.2f} | {transfer} | {r['rounds']} ({r.get('plain_rounds', 0)}) | "
-            f"{r['bytes_to_device'] / MIB:.0f} |"
+            f"{r['bytes_to_device'] / MIB:.0f} | {_fmt(r.get('draft_forwards_per_token'), '.2f')} | "
+            f"{_proposals_kept(r)} |"
         )
     return "\n".join(lines)
+
+
+def _proposals_kept(row: dict[str, Any]) -> str:
+    """Proposed tokens kept, by the draft tier or (in plain rounds) the full tier, of those offered."""
+    if not row.get("proposed_tokens"):
+        return "n/a"
+    kept = row.get("proposal_kept_tokens", 0) + row.get("proposals_verified_kept", 0)
+    return f"{kept / row['proposed_tokens']:.0%} of {row['proposed_tokens']}"
 
 
 def _finite(value: Any) -> Any:
