@@ -77,8 +77,7 @@ def llama():
     return tiny_model("llama")
 
 
-@pytest.fixture(scope="module")
-def small():
+def small_model():
     """A one-layer model, for tests that need thousands of samples."""
     return tiny_model(
         "llama",
@@ -88,6 +87,11 @@ def small():
         num_attention_heads=2,
         num_key_value_heads=1,
     )
+
+
+@pytest.fixture(scope="module")
+def small():
+    return small_model()
 
 
 def no_worker_left() -> bool:

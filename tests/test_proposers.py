@@ -10,7 +10,7 @@ import torch
 from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf.verify import proposal_accept, speculative_accept
 
-from .conftest import VOCAB, random_prompt, tiny_model
+from .conftest import VOCAB, random_prompt, small_model, tiny_model
 from .test_generate_parity import left_padded_batch, tiny_tokenizer
 from .test_sampling import ALPHA, SAMPLING, chi_square_p
 
@@ -26,14 +26,7 @@ def assistant():
 @pytest.fixture(scope="module")
 def peaked():
     """A one-layer model whose distributions are peaked enough that sampled text often follows its greedy text."""
-    model = tiny_model(
-        "llama",
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    model = small_model()
     with torch.no_grad():
         model.lm_head.weight.mul_(5.0)
     return model

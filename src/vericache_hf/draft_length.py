@@ -84,7 +84,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
     def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
         width = verified or drafted + 1
         self.verify.add(width, verify_seconds)
-        if not drafted and width > 1 and accepted:  # a plain round that verified a proposer's tokens
+        if not drafted and accepted:  # a plain round, with a proposer's tokens verified or (width 1) without
             self.plain_gain.add(sum(accepted) / len(accepted))
             self.plain_width.add(width)
         if drafted and accepted:
