@@ -190,10 +190,8 @@ def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io
             for b, n in enumerate(need)
         ]
         offered = [p.shape[-1] for p in proposed]
-        block = pending.new_full((batch, 1 + max(offered)), io.pad_token_id)
-        block[:, 0] = token
-        for b, tokens in enumerate(proposed):
-            block[b, 1 : 1 + offered[b]] = tokens.to(block.device)
+        inputs = [torch.cat([token[b : b + 1], p.to(token.device)]) for b, p in enumerate(proposed)]
+        block = pad_rows(inputs, 1 + max(offered), io.pad_token_id, pending)
         logits = forward(model, cache, block, position).float()  # (B, w, V)
         scores = torch.stack(
             [
@@ -215,21 +213,16 @@ def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io
                 probs[b].extend(torch.softmax(scores[b, : kept[b] + 1], dim=-1).unbind(0))
             token[b] = own[b]
             position[b] += kept[b] + 1
+        offered_live = [o for o, alive in zip(offered, live, strict=True) if alive]
+        kept_live = [n for n, alive in zip(kept, live, strict=True) if alive]
         stats.draft_forwards += 1
-        stats.proposed_tokens += sum(o for o, alive in zip(offered, live, strict=True) if alive)
-        stats.proposal_kept_tokens += sum(n for n, alive in zip(kept, live, strict=True) if alive)
-        schedule.observe(
-            block.shape[-1],
-            time.perf_counter() - started,
-            [o for o, alive in zip(offered, live, strict=True) if alive],
-            [n for n, alive in zip(kept, live, strict=True) if alive],
-        )
+        stats.proposed_tokens += sum(offered_live)
+        stats.proposal_kept_tokens += sum(kept_live)
+        schedule.observe(block.shape[-1], time.perf_counter() - started, offered_live, kept_live)
     if not k:
         return pending.new_empty((batch, 0)), None
     # rows that stopped or are near max_length drafted fewer: padding, verified with the rest and never emitted
-    drafts = torch.stack(
-        [torch.cat([row, row.new_full((k - row.shape[-1],), io.pad_token_id)]) for row in rows]
-    )
+    drafts = pad_rows(rows, k, io.pad_token_id, pending)
     if not io.do_sample:
         return drafts, None
     vocab = scores.shape[-1]
@@ -251,12 +244,17 @@ def propose_to_full_tier(io: DecodeIO, seqs: Sequences, pending) -> tuple[torch.
         wanted = min(limit, room) if seqs.unfinished[b] else 0  # the text ends in `pending`
         rows.append(io.proposer.propose(b, seqs.text(b), wanted) if wanted > 0 else pending.new_empty(0))
     counts = torch.tensor([row.shape[-1] for row in rows])
-    block = pending.new_full((len(rows), int(counts.max())), io.pad_token_id)
-    for b, row in enumerate(rows):
-        block[b, : row.shape[-1]] = row.to(block.device)
     if not int(counts.max()):
         return None
-    return block, counts
+    return pad_rows(rows, int(counts.max()), io.pad_token_id, pending), counts
+
+
+def pad_rows(rows: list[torch.Tensor], width: int, pad_token_id: int, like: torch.Tensor) -> torch.Tensor:
+    """(B, width) tokens on `like`'s device from 1-D rows of at most `width` tokens, padded on the right."""
+    block = like.new_full((len(rows), width), pad_token_id)
+    for b, row in enumerate(rows):
+        block[b, : row.shape[-1]] = row.to(block.device)
+    return block
 
 
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
@@ -343,9 +341,8 @@ def decode(
             kept = [min(accepted[b], counts[b]) for b in active]
             stats.proposed_tokens += sum(counts)
             stats.proposals_verified_kept += sum(kept)
-            width = drafts.shape[-1] + 1
             io.plain_proposal_length.observe(
-                width, draft_seconds + verify_seconds, [counts[b] for b in active], kept
+                drafts.shape[-1] + 1, draft_seconds + verify_seconds, [counts[b] for b in active], kept
             )
         schedule.observe(k, accepted_active, draft_seconds, verify_seconds, verified=drafts.shape[-1] + 1)
         if not any(seqs.unfinished):

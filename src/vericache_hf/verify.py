@@ -87,19 +87,18 @@ def proposal_accept(
     """
     batch, m = proposals.shape
     rows = torch.arange(batch, device=scores.device)
-    in_range = torch.arange(m, device=scores.device)[None, :] < offered.to(scores.device)[:, None]
-    proposals = proposals.to(scores.device)
+    offered, proposals = offered.to(scores.device), proposals.to(scores.device)
     if not do_sample:
         own_all = scores.argmax(dim=-1)  # (B, m+1)
-        agree = (own_all[:, :m] == proposals) & in_range
-        kept = agree.long().cumprod(dim=-1).sum(dim=-1)
+        kept = torch.minimum(accepted_lengths(proposals, own_all), offered)  # padding is never kept
         return kept, own_all[rows, kept]
+    in_range = torch.arange(m, device=scores.device)[None, :] < offered[:, None]
     probs = torch.softmax(scores, dim=-1)
     p_offered = probs[:, :m].gather(-1, proposals[..., None])[..., 0]
     agree = (torch.rand_like(p_offered) < p_offered) & in_range
     kept = agree.long().cumprod(dim=-1).sum(dim=-1)
     residual = probs[rows, kept].clone()
-    rejected = kept < offered.to(kept.device)
+    rejected = kept < offered
     rejected_token = proposals[rows, kept.clamp(max=max(m - 1, 0))] if m else kept
     residual[rows[rejected], rejected_token[rejected]] = 0  # a rejected proposal is not drawn again
     residual = residual / residual.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(residual.dtype).tiny)
