@@ -9,7 +9,7 @@ from .cache.refresh import RefreshPolicy
 from .cache.transfer import TransferError
 from .compressors import Compressor, available_compressors
 from .config import VeriCacheConfig
-from .decoding import VeriCacheGenerateOutput, generate
+from .decoding import VeriCacheGenerateOutput, generate, warm_prefix
 from .engine import GenerationOutput, RequestStatus, VeriCacheEngine, generate_batch
 from .registration import register, set_default_mode, vericache_generate
 from .stats import VeriCacheStats
@@ -35,4 +35,5 @@ __all__ = [
     "register",
     "set_default_mode",
     "vericache_generate",
+    "warm_prefix",
 ]

@@ -50,6 +50,11 @@ class VeriCacheConfig:
         proposal_length: most tokens one proposal offers (`prompt_lookup_num_tokens` overrides it). How many the draft
             tier checks is chosen as it goes, from the measured pass time and how many it keeps, 0 when they do not
             pay (always `proposal_length` under the fixed draft schedule).
+        prefix_store: a `vericache_hf.prefix` store (`DiskStore`, `RedisStore`) that prompt prefixes are saved to
+            and reused from: a prompt whose leading chunks were stored starts drafting on their compressed KV at once
+            while the exact KV streams in behind, and its first verify pass prefills the rest of the prompt exactly.
+            One request per call (batch 1, or `VeriCacheEngine`). None stores nothing.
+        prefix_chunk_tokens: tokens per stored chunk (256, as LMCache); a prefix is a whole number of chunks.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
     """
 
@@ -68,6 +73,8 @@ class VeriCacheConfig:
     refresh: Any = None
     proposer: Any = None
     proposal_length: int = 10
+    prefix_store: Any = None
+    prefix_chunk_tokens: int = 256
     stats: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,14 @@ class VeriCacheConfig:
                 f"proposer must be None, 'prompt_lookup' or an assistant model (a transformers causal LM), "
                 f"got {self.proposer!r}."
             )
+        if self.prefix_store is not None:
+            from .prefix.store import PrefixStore
+
+            if not isinstance(self.prefix_store, PrefixStore):
+                raise TypeError(
+                    "prefix_store must be a vericache_hf.prefix store (DiskStore, RedisStore) or None, "
+                    f"got {type(self.prefix_store).__name__}."
+                )
         if not isinstance(self.stage_on_cpu, bool):
             raise TypeError(f"stage_on_cpu must be True or False, got {self.stage_on_cpu!r}.")
         for name in (
@@ -99,6 +114,7 @@ class VeriCacheConfig:
             "chunk_tokens",
             "staging_buffers",
             "proposal_length",
+            "prefix_chunk_tokens",
         ):
             check_int(name, getattr(self, name))
         if self.min_draft_length > self.max_draft_length:
@@ -131,6 +147,11 @@ class VeriCacheConfig:
             raise ValueError(
                 "A VeriCacheConfig whose proposer is an assistant model cannot be saved in a generation config; "
                 "save it with proposer=None and pass assistant_model= to generate."
+            )
+        if self.prefix_store is not None:
+            raise ValueError(
+                "A VeriCacheConfig with a prefix_store cannot be saved in a generation config (a store is a live "
+                "connection); save it with prefix_store=None and pass the store in the config at generate time."
             )
         data = asdict(self)
         data.pop("stats")

@@ -19,7 +19,9 @@ from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import ProposalLength, draft_length_schedule
-from .loop import DecodeIO, Sequences, decode
+from .loop import DecodeIO, Sequences, decode, prefill_prefix
+from .prefix.reuse import PrefixReuse
+from .prefix.writer import flush
 from .proposers import build_proposer
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model, warn_slow_cpu_attention
@@ -76,19 +78,7 @@ def generate(
     streamer = vericache_streamer if vericache_streamer is not None else streamer
 
     stats = VeriCacheStats()
-    compressor = build_compressor(
-        config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
-    )
-    cache = VeriCache(
-        model.config.num_hidden_layers,
-        compressor,
-        stats=stats,
-        chunk_tokens=config.chunk_tokens,
-        staging_buffers=config.staging_buffers,
-        transfer_timeout=config.transfer_timeout,
-        refresh_policy=config.refresh,
-        stage_on_cpu=config.stage_on_cpu,
-    )
+    compressor, cache = _build_cache(model, config, stats)
     pad = generation_config._pad_token_tensor
     proposer = build_proposer(config.proposer, config.proposal_length, generation_config, vericache_assistant)
     io = DecodeIO(
@@ -105,6 +95,18 @@ def generate(
             ProposalLength(proposer.max_tokens, fixed=config.draft_schedule == "fixed") if proposer else None
         ),
         plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
+        prefix=(
+            PrefixReuse(
+                config.prefix_store,
+                model,
+                compressor,
+                stats,
+                config.prefix_chunk_tokens,
+                config.transfer_timeout,
+            )
+            if config.prefix_store is not None
+            else None
+        ),
     )
     try:
         seqs = decode(
@@ -117,12 +119,64 @@ def generate(
             draft_length_schedule(config, sampling=io.do_sample),
         )
     finally:
+        if io.prefix is not None:
+            io.prefix.close()
         cache.close()
     if streamer is not None:
         streamer.end()
     if config.stats is not None:
         config.stats.merge(stats)
     return _outputs(seqs, generation_config, cache, stats)
+
+
+def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats) -> tuple:
+    compressor = build_compressor(
+        config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
+    )
+    cache = VeriCache(
+        model.config.num_hidden_layers,
+        compressor,
+        stats=stats,
+        chunk_tokens=config.chunk_tokens,
+        staging_buffers=config.staging_buffers,
+        transfer_timeout=config.transfer_timeout,
+        refresh_policy=config.refresh,
+        stage_on_cpu=config.stage_on_cpu,
+    )
+    return compressor, cache
+
+
+def _prefix_reuse(model, config: VeriCacheConfig, compressor, stats: VeriCacheStats) -> PrefixReuse:
+    return PrefixReuse(
+        config.prefix_store, model, compressor, stats, config.prefix_chunk_tokens, config.transfer_timeout
+    )
+
+
+@torch.inference_mode()
+def warm_prefix(model, input_ids: torch.LongTensor, vericache_config: VeriCacheConfig | dict) -> int:
+    """Store a prompt's whole chunks in `vericache_config.prefix_store` (exact KV and the compressed draft tier)
+    without generating, and wait for the write. Later prompts that start with them reuse them. Returns the number
+    of tokens stored (0 when the prompt is shorter than one chunk)."""
+    config = resolve_config(vericache_config, None)
+    if config.prefix_store is None:
+        raise ValueError("warm_prefix stores into vericache_config.prefix_store; set one (e.g. DiskStore()).")
+    check_model(model)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"warm_prefix takes one prompt, shaped (1, T); got {tuple(input_ids.shape)}.")
+    stats = VeriCacheStats()
+    compressor, cache = _build_cache(model, config, stats)
+    reuse = _prefix_reuse(model, config, compressor, stats)
+    length = input_ids.shape[-1] // config.prefix_chunk_tokens * config.prefix_chunk_tokens
+    if not length:
+        return 0
+    prefix = input_ids[:, :length].to(model.get_input_embeddings().weight.device)
+    try:
+        prefill_prefix(model, cache, prefix)
+        reuse.save(cache, prefix)
+    finally:
+        cache.close()
+    flush(config.prefix_store)
+    return length
 
 
 def _outputs(seqs: Sequences, generation_config: GenerationConfig, cache: VeriCache, stats: VeriCacheStats):

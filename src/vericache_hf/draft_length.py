@@ -18,6 +18,7 @@ class DraftLengthSchedule:
 
     def __init__(self, config: VeriCacheConfig) -> None:
         self.current = config.draft_length
+        self.low, self.high = config.min_draft_length, config.max_draft_length
 
     def observe(
         self,
@@ -37,7 +38,6 @@ class AcceptanceDraftLength(DraftLengthSchedule):
 
     def __init__(self, config: VeriCacheConfig) -> None:
         super().__init__(config)
-        self.low, self.high = config.min_draft_length, config.max_draft_length
 
     def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
         if drafted < self.current or not accepted:
@@ -69,7 +69,6 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
     def __init__(self, config: VeriCacheConfig) -> None:
         super().__init__(config)
-        self.low, self.high = config.min_draft_length, config.max_draft_length
         self.accepted, self.rejections = 3.0, 1.0  # a weak prior: alpha = 0.75
         self.draft_step = RunningMean(self.COST_DECAY)
         self.verify = RunningLinearFit(self.COST_DECAY)

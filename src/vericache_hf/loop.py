@@ -13,6 +13,7 @@ The loop never sets the cache's state: each pass runs inside the cache phase it 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .cache.vericache import VeriCache
 from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule, ProposalLength
+from .prefix.reuse import PrefixReuse
 from .proposers import Proposer
 from .verify import choose, greedy_accept, proposal_accept, speculative_accept
 
@@ -69,6 +71,8 @@ class DecodeIO:
     proposer: Proposer | None = None  # hierarchical drafting: proposals the draft tier checks
     proposal_length: ProposalLength | None = None  # how many a draft-tier pass checks
     plain_proposal_length: ProposalLength | None = None  # how many a plain round verifies on the full tier
+    prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
+    started: float = 0.0  # perf_counter() when decoding started
 
 
 def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Tensor], logits: torch.Tensor):
@@ -94,18 +98,22 @@ def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Ten
     return scores
 
 
-def forward(model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier of the cache's current phase."""
+def forward(
+    model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor, keep: int | None = None
+) -> torch.Tensor:
+    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier of the cache's current phase;
+    the logits of the last `keep` positions (all q by default)."""
     query = tokens.shape[-1]
+    keep = keep or query
     outputs = model(
         input_ids=tokens,
         position_ids=positions[:, None] + torch.arange(query, device=positions.device),
         attention_mask=cache.attention_mask(query),
         **cache_kwargs(model, cache),
         use_cache=True,
-        logits_to_keep=query,
+        logits_to_keep=keep,
     )
-    return outputs.logits[:, -query:]
+    return outputs.logits[:, -keep:]
 
 
 def emit(io: DecodeIO, seqs: Sequences, row: int, token: torch.Tensor, scores, raw) -> bool:
@@ -148,23 +156,65 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     return first, prompt_valid.long().sum(dim=-1)
 
 
-def draft(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
-    """k steps on the draft tier, choosing from the processed draft distribution as stock `generate` would;
-    returns (B, k) drafted tokens and, when sampling, their (B, k, V) draft probabilities."""
-    if io.proposer is not None:
+def prefill_prefix(model, cache: VeriCache, prefix: torch.Tensor) -> None:
+    """Prefill a (1, P) prefix alone (both tiers), to save it: its logits are not needed."""
+    with cache.prefilling(model, torch.ones_like(prefix)):
+        model(
+            input_ids=prefix,
+            position_ids=torch.arange(prefix.shape[-1], device=prefix.device)[None],
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
+
+def start_from_prefix(model, cache: VeriCache, input_ids, reuse: PrefixReuse, boundary: int, seqs: Sequences):
+    """The prompt's first `boundary` tokens from the store (compressed tier now, full tier loading behind) or, on a
+    miss, prefilled alone and queued for saving. The rest of the prompt (the suffix) becomes the first round's
+    pending block: drafted from on the draft tier, and prefilled exactly by the first verify pass. Returns that
+    (1, s) block and its (1,) start position."""
+    prefix = input_ids[:, :boundary]
+    if not reuse.restore(cache, prefix):
+        prefill_prefix(model, cache, prefix)
+        reuse.save(cache, prefix)
+    seqs.starts = [0] * input_ids.shape[0]
+    return input_ids[:, boundary:], torch.full((input_ids.shape[0],), boundary, device=input_ids.device)
+
+
+def draft(
+    model,
+    cache: VeriCache,
+    pending,
+    positions,
+    k: int,
+    io: DecodeIO,
+    seqs: Sequences,
+    more: Callable[[], bool] | None = None,
+    most: int = 0,
+):
+    """k steps on the draft tier (then more, up to `most`, while `more()` says so: the full tier is still loading),
+    choosing from the processed draft distribution as stock `generate` would; returns (B, k) drafted tokens and,
+    when sampling, their (B, k, V) draft probabilities. `pending` is (B,) tokens, or a (B, s) block whose last
+    position gives the first draft (a prompt's suffix after a stored prefix)."""
+    if io.proposer is not None and pending.dim() == 1:
         return draft_with_proposals(model, cache, pending, positions, k, io, seqs)
-    cache.stats.draft_forwards += k
-    drafts = pending.new_empty((pending.shape[0], k))
+    block = pending if pending.dim() == 2 else pending[:, None]
+    drafts = block.new_empty((block.shape[0], 0))
     probs = [] if io.do_sample else None
-    token = pending
-    for step in range(k):
-        logits = forward(model, cache, token[:, None], positions + step)[:, -1].float()
-        scores = process(io, seqs, drafts[:, :step], logits)
+    position = positions
+    while drafts.shape[-1] < k or (more is not None and drafts.shape[-1] < most and more()):
+        logits = forward(model, cache, block, position, keep=1)[:, -1].float()
+        position = position + block.shape[-1]
+        scores = process(io, seqs, drafts, logits)
         if io.do_sample:
             probs.append(torch.softmax(scores, dim=-1))
-            token = drafts[:, step] = torch.multinomial(probs[-1], num_samples=1)[:, 0]
+            block = torch.multinomial(probs[-1], num_samples=1)
         else:
-            token = drafts[:, step] = scores.argmax(dim=-1)
+            block = scores.argmax(dim=-1, keepdim=True)
+        drafts = torch.cat([drafts, block], dim=-1)
+        if not cache.stats.first_draft_seconds:
+            cache.stats.first_draft_seconds = time.perf_counter() - io.started
+    cache.stats.draft_forwards += drafts.shape[-1]
     return drafts, torch.stack(probs, dim=1) if probs else None
 
 
@@ -259,12 +309,13 @@ def pad_rows(rows: list[torch.Tensor], width: int, pad_token_id: int, like: torc
 
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
     """One pass over [pending + drafts] on the full tier; returns raw logits and processed scores (B, k+1, V),
-    position s processed with each row's prefix plus its first s drafts."""
-    block = torch.cat([pending[:, None], drafts], dim=-1)
-    raw = forward(model, cache, block, positions).float()  # (B, k+1, V)
+    position s processed with each row's prefix plus its first s drafts. A (B, s) `pending` block (a suffix the
+    full tier has not seen) is prefilled exactly by the same pass."""
+    block = torch.cat([pending if pending.dim() == 2 else pending[:, None], drafts], dim=-1)
+    raw = forward(model, cache, block, positions, keep=drafts.shape[-1] + 1).float()  # (B, k+1, V)
     if not io.logits_processor:
         return raw, raw
-    scores = torch.stack([process(io, seqs, drafts[:, :s], raw[:, s]) for s in range(block.shape[-1])], dim=1)
+    scores = torch.stack([process(io, seqs, drafts[:, :s], raw[:, s]) for s in range(raw.shape[1])], dim=1)
     return raw, scores
 
 
@@ -289,26 +340,38 @@ def decode(
     """Run VeriCache decoding to the end; returns the per-row `Sequences`."""
     stats = cache.stats
     seqs = Sequences.start(input_ids, io.max_length, io.pad_token_id)
-    started = time.perf_counter()
-    pending, positions = prefill(model, cache, input_ids, attention_mask, position_ids, io, seqs)
+    io.started = started = time.perf_counter()
+    reuse = io.prefix
+    boundary = reuse.boundary(input_ids, attention_mask) if reuse is not None else 0
+    if boundary:  # the first round's pending block is the suffix: its verify pass emits the first token
+        pending, positions = start_from_prefix(model, cache, input_ids, reuse, boundary, seqs)
+    else:
+        pending, positions = prefill(model, cache, input_ids, attention_mask, position_ids, io, seqs)
+        stats.first_token_seconds = time.perf_counter() - started
+        stats.emitted_tokens += input_ids.shape[0]
     stats.prefill_seconds += time.perf_counter() - started
-    stats.emitted_tokens += input_ids.shape[0]
     while any(seqs.unfinished):
         active = [b for b, alive in enumerate(seqs.unfinished) if alive]
         room = max(io.max_length - seqs.lengths[b] for b in active)
         k = max(0, min(schedule.current, room - 1))
+        suffix = pending.dim() == 2  # the first round after a stored or separately prefilled prefix
+        loading = suffix and not reuse.full_tier_ready()
 
         started = time.perf_counter()
         # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
-        plain_proposals = not k and io.proposer is not None
+        plain_proposals = not k and io.proposer is not None and not suffix
         offered = propose_to_full_tier(io, seqs, pending) if plain_proposals else None
+        most = max(k, min(schedule.high, room - 1)) if loading else k  # draft on while the full prefix loads
         with cache.drafting(
-            k if offered is None else offered[0].shape[-1]
+            most if offered is None else offered[0].shape[-1]
         ):  # the full tier streams in meanwhile
             if offered is None:
-                drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs)
+                more = (lambda: not reuse.full_tier_ready()) if loading else None
+                drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs, more, most)
             else:
                 drafts, draft_probs = offered[0], None
+        if suffix:  # verification waits only for the prefix chunks still on their way
+            reuse.wait_full_tier(cache, input_ids[:, :boundary])
         if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
             torch.cuda.current_stream(drafts.device).synchronize()
         draft_seconds = time.perf_counter() - started
@@ -323,6 +386,8 @@ def decode(
             draft_probs *= real.to(draft_probs.device)[..., None]
         accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
         verify_seconds = time.perf_counter() - started
+        if suffix:
+            stats.first_token_seconds = time.perf_counter() - io.started
         stats.draft_seconds += draft_seconds
         stats.verify_seconds += verify_seconds
 
@@ -332,6 +397,7 @@ def decode(
                 if emit(io, seqs, b, tokens[b, step], scores[b, step], raw[b, step]):
                     break
         accepted_active = [accepted[b] for b in active]
+        k = drafts.shape[-1] if offered is None else k  # a first round may draft on while the prefix loads
         if k:
             stats.record_round(k, accepted_active)
         else:
@@ -344,18 +410,20 @@ def decode(
             io.plain_proposal_length.observe(
                 drafts.shape[-1] + 1, draft_seconds + verify_seconds, [counts[b] for b in active], kept
             )
-        schedule.observe(k, accepted_active, draft_seconds, verify_seconds, verified=drafts.shape[-1] + 1)
+        if not suffix:  # a first round after a prefix prefilled the suffix too: not a draft round's cost
+            schedule.observe(k, accepted_active, draft_seconds, verify_seconds, verified=drafts.shape[-1] + 1)
         if not any(seqs.unfinished):
             break
-        counts = torch.tensor([accepted[b] + 1 if b in active else 0 for b in range(len(accepted))])
+        block = pending.shape[-1] if suffix else 1  # tokens committed besides the accepted drafts
+        counts = torch.tensor([accepted[b] + block if b in active else 0 for b in range(len(accepted))])
         width = int(counts.max())
         valid = torch.arange(width)[None, :] < counts[:, None]
         cache.commit(width, valid)
         if cache.refresh_policy is not None:
             mean_accepted = sum(accepted_active) / len(active) if k else None  # a plain round says nothing
             cache.refresh_policy.after_commit(cache, width, mean_accepted)
-        index = (counts - 1).clamp(min=0).to(tokens.device)
-        pending = tokens.gather(1, index[:, None])[:, 0]
+        index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])
+        pending = tokens.gather(1, index[:, None].to(tokens.device))[:, 0]
         positions = positions + counts.to(positions.device)
     stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
     stats.full_tier_bytes = max(stats.full_tier_bytes, cache.full_tier_bytes())

@@ -26,6 +26,11 @@ class VeriCacheStats:
     (hierarchical drafting), `proposed_tokens` were offered, per row: to the draft tier, which kept
     `proposal_kept_tokens`, or in plain rounds straight to the full tier, which accepted `proposals_verified_kept`.
     `draft_forwards_per_token` is draft-tier passes per drafted position.
+
+    Prefix store (`VeriCacheConfig(prefix_store=...)`): `prefix_tokens_reused` came from the store instead of a
+    prefill, for which `prefix_compressed_bytes` (the draft tier, fetched first) and `prefix_full_bytes` (streamed in
+    behind) were read; `prefix_wait_seconds` is the time decoding waited on the store. `first_draft_seconds` and
+    `first_token_seconds` run from the start of decoding to the first drafted token and to the first verified one.
     """
 
     rounds: int = 0
@@ -51,6 +56,12 @@ class VeriCacheStats:
     proposed_tokens: int = 0
     proposal_kept_tokens: int = 0
     proposals_verified_kept: int = 0  # proposals the full tier accepted in plain rounds (verified directly)
+    prefix_tokens_reused: int = 0
+    prefix_compressed_bytes: int = 0
+    prefix_full_bytes: int = 0
+    prefix_wait_seconds: float = 0.0
+    first_draft_seconds: float = 0.0
+    first_token_seconds: float = 0.0
     accepted_per_round: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
 

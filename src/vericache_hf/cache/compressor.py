@@ -39,3 +39,15 @@ class Compressor(ABC):
     @abstractmethod
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
+
+    @property
+    def restorable(self) -> bool:
+        """Whether `restore` can rebuild this compressor's draft tier (what a prefix store needs)."""
+        return type(self).restore is not Compressor.restore
+
+    def restore(self, state: dict[str, torch.Tensor]) -> DraftStore:
+        """The draft tier a store's `export()` described (read back from a prefix store, already on the device)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot restore a draft tier from a prefix store; use a token-dropping or "
+            "quantizing compressor (snapkv, streaming_llm, knorm, h2o, kivi...) with prefix_store."
+        )

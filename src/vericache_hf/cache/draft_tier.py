@@ -48,6 +48,14 @@ class DraftStore(ABC):
     def nbytes(self) -> int:
         """Device bytes of the committed representation."""
 
+    def export(self) -> dict[str, torch.Tensor]:
+        """The committed state as named tensors (copies), for a prefix store; the compressor's `restore` reads it
+        back. Stores that cannot be exported say so."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be exported to a prefix store; use a token-dropping or quantizing "
+            "compressor (snapkv, streaming_llm, knorm, h2o, kivi...) with prefix_store."
+        )
+
 
 class TokenStore(DraftStore):
     """Full-precision tokens in a preallocated buffer that grows geometrically; drafts sit after the committed slots."""
@@ -110,6 +118,13 @@ class TokenStore(DraftStore):
         self.values[:, :, self.length : self.length + count] = values
         self.valid_slots[:, self.length : self.length + count] = valid
         self.length += count
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {
+            "keys": self.keys[:, :, : self.length].clone(),
+            "values": self.values[:, :, : self.length].clone(),
+            "valid": self.valid.clone(),
+        }
 
     def drop_slots(self, start: int, end: int) -> None:
         """Remove committed slots [start, end) by moving the tail left (all rows and heads alike)."""

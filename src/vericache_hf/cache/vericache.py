@@ -176,6 +176,7 @@ class VeriCache(Cache):
         self._draft_valid: torch.Tensor | None = None  # (B, drafted slots marked by `keep_drafted`)
         # no masked slot in the tier (no padding, nothing a row rejected): passes need no explicit mask
         self._full_dense = self._draft_dense = False
+        self.full_tier_loading = False  # a stored prefix is being appended to the full tier by a loader
         super().__init__(layers=[VeriCacheLayer(i, self) for i in range(num_layers)])
 
     # -- phases --------------------------------------------------------------------------------------------------
@@ -207,6 +208,29 @@ class VeriCache(Cache):
                 yield
             finally:
                 self._capture = None
+
+    def adopt_prefix(self, drafts: list[DraftStore], length: int) -> None:
+        """Start from a stored prefix of `length` tokens instead of a prefill: `drafts` are the layers' draft tiers,
+        restored on the device. The full tier is left to a loader, which appends the prefix to each layer's `full`
+        while drafting runs; nothing reads it until `full_tier_loaded()` (a verify pass before that raises)."""
+        if self.full_valid is not None:
+            raise RuntimeError("adopt_prefix replaces the prefill; create a new cache for a new prompt.")
+        if len(drafts) != len(self.layers):
+            raise ValueError(f"got {len(drafts)} draft tiers for {len(self.layers)} layers")
+        for layer, draft in zip(self.layers, drafts, strict=True):
+            layer.draft = draft
+        batch = drafts[0].valid.shape[0]
+        self.prompt_valid = self.full_valid = torch.ones((batch, length), dtype=torch.bool)
+        self._full_dense, self.full_tier_loading = True, True
+
+    def full_tier_loaded(self) -> None:
+        """The loader `adopt_prefix` left the full tier to is done: verify passes may read it."""
+        lengths = {layer.full.length for layer in self.layers}
+        if lengths != {self.full_valid.shape[-1]}:
+            raise RuntimeError(
+                f"the full tier holds {sorted(lengths)} tokens per layer, the adopted prefix {self.full_valid.shape[-1]}"
+            )
+        self.full_tier_loading = False
 
     def captured(self, layer_idx: int) -> CompressionContext | None:
         """The layer input captured in this prefill, if the compressor asked for it."""
@@ -254,6 +278,10 @@ class VeriCache(Cache):
     def verifying(self) -> Iterator[None]:
         """One pass over the full tier. On success the pass's tokens wait for `commit`; on error they are dropped
         and the round's transfers cancelled."""
+        if self.full_tier_loading:
+            raise RuntimeError(
+                "the full tier is still loading a stored prefix; wait for it before verifying."
+            )
         if self._round is None or self._stale():
             self.prefetch()
         try:
@@ -302,7 +330,7 @@ class VeriCache(Cache):
     def prefetch(self, room: int = DEFAULT_ROOM) -> None:
         """Queue every staged layer's full tier for the next verify pass, with `room` slots for its new tokens.
         Layers that read their full tier in place need no transfer."""
-        if not self.layers[0].full.length:
+        if not self.layers[0].full.length or self.full_tier_loading:
             return
         if self._round is not None and not self._stale():
             return

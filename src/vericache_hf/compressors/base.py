@@ -70,3 +70,6 @@ class ScorerCompressor(Compressor):
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         return self.make_store(*self.select(keys, values, context))
+
+    def restore(self, state: dict[str, torch.Tensor]) -> DraftStore:
+        return self.make_store(state["keys"], state["values"], state["valid"])

@@ -54,3 +54,10 @@ class ComposedCompressor(Compressor):
             keys, values, valid = stage.select(keys, values, context)
             context = replace(context, valid=valid, module=None, hidden_states=None, attention_kwargs={})
         return self.stages[-1].compress(keys, values, context)
+
+    @property
+    def restorable(self) -> bool:  # type: ignore[override]
+        return self.stages[-1].restorable
+
+    def restore(self, state: dict[str, torch.Tensor]) -> DraftStore:
+        return self.stages[-1].restore(state)

@@ -111,6 +111,22 @@ class QuantizedStore(DraftStore):
                 slots[:, :, part] = self.codec.dequantize(block, slots)
             self.quantized = start + self.group
 
+    def export(self) -> dict[str, torch.Tensor]:
+        """The slots as attention reads them (quantized groups dequantized), and where the quantized groups end."""
+        counts = torch.tensor([self.quantized, self.quantized_bytes], dtype=torch.int64)
+        return {**self.tokens.export(), "quantized": counts}
+
+    @classmethod
+    def restored(cls, codec: Codec, group_size: int, residual_length: int, state: dict[str, torch.Tensor]):
+        """The store `export` described, without quantizing its dequantized groups again."""
+        slots = state["keys"], state["values"], state["valid"]
+        store = cls(
+            codec, group_size, residual_length + slots[0].shape[-2], *slots
+        )  # nothing to quantize yet
+        store.residual_length = residual_length
+        store.quantized, store.quantized_bytes = (int(n) for n in state["quantized"].tolist())
+        return store
+
     def nbytes(self) -> int:
         store = self.tokens
         residual = slice(self.quantized, store.length)
@@ -153,4 +169,9 @@ class QuantizedCompressor(Compressor):
         codec = self.codec(keys.shape[-1])
         return QuantizedStore(
             codec, self.group_size, self.residual_length, keys, values, context.valid.to(keys.device)
+        )
+
+    def restore(self, state: dict[str, torch.Tensor]) -> DraftStore:
+        return QuantizedStore.restored(
+            self.codec(state["keys"].shape[-1]), self.group_size, self.residual_length, state
         )

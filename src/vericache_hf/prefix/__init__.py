@@ -1,4 +1,7 @@
-"""Prefix KV stores (issue 22, first step: the store layer; generate does not use it yet).
+"""Prefix KV stores: reuse a shared prompt prefix's KV across requests, compressed tier first.
+
+`VeriCacheConfig(prefix_store=DiskStore())` is all `generate` needs (see `reuse.py` for what happens on a hit and
+a miss); `vericache_hf.warm_prefix` stores a prefix without generating, and `flush(store)` waits for queued saves.
 
 A prompt's KV is saved in chunks of 256 tokens under chained sha256 keys that include a `KVFingerprint` of the
 model, dtype, layout and compressor, and loaded back as the longest leading run of chunks that hit. Stores:
@@ -20,6 +23,7 @@ from .disk import DiskStore
 from .keys import TIERS, KVFingerprint, chunk_hashes, fingerprint_for
 from .redis_store import RedisStore
 from .store import PrefixStore, ThrottledStore
+from .writer import flush
 
 __all__ = [
     "FORMAT_VERSION",
@@ -32,4 +36,5 @@ __all__ = [
     "ThrottledStore",
     "chunk_hashes",
     "fingerprint_for",
+    "flush",
 ]

@@ -16,7 +16,7 @@ Two levels:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,25 +112,50 @@ class PrefixCache:
         self.store.put_many(items)
         return len(items) // 2
 
+    def iter_chunks(
+        self,
+        token_ids: torch.Tensor,
+        fingerprint: KVFingerprint,
+        tier: str = "full",
+        limit: int | None = None,
+    ) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+        """(named tensors, bytes read) of each chunk in order, one round trip each, stopping at the first chunk
+        that is missing or refused (or after `limit` chunks): a loader can use each chunk as it arrives."""
+        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)[:limit]
+        for chunk_hash in hashes:
+            base = tier_key(tier, chunk_hash)
+            meta, payload = self.store.get_many([base + ":meta", base + ":kv"])
+            if meta is None or payload is None:  # absent, or evicted between writes: a plain miss
+                return
+            tensors = decode_chunk(base, meta, payload, fingerprint, tier, chunk_hash, self.chunk_tokens)
+            if tensors is None:
+                self._drop(base)
+                return
+            yield tensors, len(payload)
+
     def load_chunks(
         self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str = "full"
     ) -> list[dict[str, torch.Tensor]]:
         """The named tensors of the longest leading run of chunks that are stored and pass every check."""
-        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
-        bases = [tier_key(tier, h) for h in hashes]
-        metas = self.store.get_many([base + ":meta" for base in bases])
-        run = _leading([meta is not None for meta in metas])
-        payloads = self.store.get_many([base + ":kv" for base in bases[:run]]) if run else []
-        chunks = []
-        for base, chunk_hash, meta, payload in zip(bases, hashes, metas, payloads, strict=False):
-            if payload is None:  # evicted between the two reads: a plain miss
-                break
-            tensors = decode_chunk(base, meta, payload, fingerprint, tier, chunk_hash, self.chunk_tokens)
-            if tensors is None:
+        return [tensors for tensors, _ in self.iter_chunks(token_ids, fingerprint, tier)]
+
+    def iter_layers(
+        self, token_ids: torch.Tensor, fingerprint: KVFingerprint, limit: int | None = None
+    ) -> Iterator[tuple[list[LayerKV], int]]:
+        """Per chunk, (per-layer (keys, values) each (1, H_kv, chunk_tokens, D), bytes read) of the full tier, in
+        order, stopping at the first chunk that is missing or refused (a wrong layout is refused too)."""
+        _check_fingerprint(fingerprint)
+        expected = (1, fingerprint.num_kv_heads, self.chunk_tokens, fingerprint.head_dim)
+        bases = self.chunk_keys(token_ids, fingerprint)
+        chunks = self.iter_chunks(token_ids, fingerprint, "full", limit)
+        for base, (tensors, nbytes) in zip(bases, chunks, strict=False):
+            reason = _layout_mismatch(tensors, fingerprint.num_layers, expected, fingerprint.dtype)
+            if reason:
+                refuse(base, reason)
                 self._drop(base)
-                break
-            chunks.append(tensors)
-        return chunks
+                return
+            layers = range(fingerprint.num_layers)
+            yield [(tensors[f"layer.{i}.keys"], tensors[f"layer.{i}.values"]) for i in layers], nbytes
 
     def load(
         self,
@@ -141,28 +166,57 @@ class PrefixCache:
     ) -> tuple[int, list[LayerKV] | None]:
         """(hit tokens, per-layer (keys, values) each (1, H_kv, hit, D)) for the longest leading hit, or (0, None)."""
         _check_fingerprint(fingerprint)
+        check_tier(tier)
         if num_layers is not None and num_layers != fingerprint.num_layers:
             raise ValueError(
                 f"num_layers={num_layers} disagrees with the fingerprint's {fingerprint.num_layers}"
             )
-        expected = (1, fingerprint.num_kv_heads, self.chunk_tokens, fingerprint.head_dim)
-        layers: list[list[LayerKV]] = [[] for _ in range(fingerprint.num_layers)]
-        bases = self.chunk_keys(token_ids, fingerprint, tier)
-        for base, tensors in zip(bases, self.load_chunks(token_ids, fingerprint, tier), strict=False):
-            reason = _layout_mismatch(tensors, fingerprint.num_layers, expected, fingerprint.dtype)
-            if reason:
-                refuse(base, reason)
-                self._drop(base)
-                break
-            for layer, kv in enumerate(layers):
-                kv.append((tensors[f"layer.{layer}.keys"], tensors[f"layer.{layer}.values"]))
-        hit = len(layers[0]) if layers else 0
-        if hit == 0:
+        chunks = [layers for layers, _ in self.iter_layers(token_ids, fingerprint)]
+        if not chunks:
             return 0, None
         joined = [
-            (torch.cat([k for k, _ in kv], dim=2), torch.cat([v for _, v in kv], dim=2)) for kv in layers
+            (torch.cat([c[i][0] for c in chunks], dim=2), torch.cat([c[i][1] for c in chunks], dim=2))
+            for i in range(fingerprint.num_layers)
         ]
-        return hit * self.chunk_tokens, joined
+        return len(chunks) * self.chunk_tokens, joined
+
+    def save_state(
+        self, token_ids: torch.Tensor, tensors: dict[str, torch.Tensor], fingerprint: KVFingerprint, tier: str
+    ) -> bool:
+        """Store one entry describing the whole of `token_ids` (whole chunks), under its last chunk's key: the
+        compressed draft tier of exactly that prefix. False when it is already stored."""
+        ids = self._whole_chunks(token_ids)
+        chunk_hash = chunk_hashes(ids, self.chunk_tokens, fingerprint)[-1]
+        base = tier_key(tier, chunk_hash)
+        if self.store.exists(base + ":meta"):
+            return False
+        meta, payload = encode_chunk(tensors, fingerprint, tier, chunk_hash, ids.numel())
+        self.store.put_many([(base + ":kv", payload), (base + ":meta", meta)])  # bytes first, metadata last
+        return True
+
+    def load_state(
+        self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str
+    ) -> tuple[dict[str, torch.Tensor], int] | None:
+        """(named tensors, bytes read) of the entry `save_state` wrote for exactly `token_ids`, or None."""
+        ids = self._whole_chunks(token_ids)
+        chunk_hash = chunk_hashes(ids, self.chunk_tokens, fingerprint)[-1]
+        base = tier_key(tier, chunk_hash)
+        meta, payload = self.store.get_many([base + ":meta", base + ":kv"])
+        if meta is None or payload is None:
+            return None
+        tensors = decode_chunk(base, meta, payload, fingerprint, tier, chunk_hash, ids.numel())
+        if tensors is None:
+            self._drop(base)
+            return None
+        return tensors, len(payload)
+
+    def _whole_chunks(self, token_ids: torch.Tensor) -> torch.Tensor:
+        ids = token_ids_1d(token_ids)
+        if not ids.numel() or ids.numel() % self.chunk_tokens:
+            raise ValueError(
+                f"a state entry covers whole chunks: got {ids.numel()} tokens, chunks of {self.chunk_tokens}"
+            )
+        return ids
 
     def _drop(self, base: str) -> None:
         self.store.delete(base + ":meta")

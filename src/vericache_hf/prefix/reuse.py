@@ -1,0 +1,205 @@
+"""`PrefixReuse`: one `generate` call's use of a prefix store, compressed first (the paper's prefix-caching case).
+
+A prompt's leading whole chunks (at least one token is left after them: the suffix) are its *prefix*. On a hit:
+1. the compressed draft tier of exactly that prefix is fetched (one entry, 4-8x smaller than the full KV) and
+   restored, so drafting starts at once;
+2. a loader thread streams the full prefix chunk by chunk into the host full tier meanwhile;
+3. the loop drafts the suffix and beyond on the draft tier, waits only for the chunks still missing, and its first
+   verify pass is both the exact prefill of the suffix and the check of the drafts.
+
+On a miss the loop prefills the prefix alone, and `save` queues its full chunks and compressed draft tier to the
+store's writer thread, off the decode path. Anything the store gets wrong (down, slow, corrupted, evicted) costs
+time, never exactness: a draft entry that fails its checks is a miss, and full chunks that do not arrive are
+recomputed from the tokens, with a warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import torch
+from transformers import DynamicCache
+
+from ..cache.compressor import Compressor
+from ..cache.vericache import VeriCache
+from ..stats import VeriCacheStats
+from .cache import PrefixCache
+from .keys import fingerprint_for
+from .store import PrefixStore
+from .writer import write_behind
+
+__all__ = ["PrefixReuse"]
+
+
+class PrefixReuse:
+    """Looks a prompt's prefix up in `store`, restores it into a `VeriCache`, or saves it after a prefill."""
+
+    def __init__(
+        self,
+        store: PrefixStore,
+        model,
+        compressor: Compressor,
+        stats: VeriCacheStats,
+        chunk_tokens: int = 256,
+        timeout: float = 60.0,
+    ) -> None:
+        if not compressor.restorable:
+            raise ValueError(
+                f"prefix_store needs a compressor whose draft tier can be stored and restored; "
+                f"{type(compressor).__name__} cannot. Use a token-dropping or quantizing compressor (snapkv, "
+                "streaming_llm, knorm, h2o, kivi...), or prefix_store=None."
+            )
+        self.prefixes = PrefixCache(store, chunk_tokens)
+        self.model, self.compressor, self.stats, self.timeout = model, compressor, stats, timeout
+        self.full_print = fingerprint_for(model)
+        self.draft_print = fingerprint_for(model, compressor)
+        self._loader: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._loaded = 0  # prefix tokens the loader appended to every layer's full tier
+        self._error: BaseException | None = None
+
+    def boundary(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+        """The prefix length to reuse or save: whole chunks, leaving at least one token; 0 when not applicable
+        (prompts shorter than a chunk and one token, and batches: a prefix is one request's, see the engine)."""
+        batch, length = input_ids.shape
+        if batch != 1 or (attention_mask is not None and not bool(attention_mask.all())):
+            if batch != 1:
+                warnings.warn(
+                    f"prefix_store serves one request per call; this batch of {batch} decodes without it "
+                    "(use VeriCacheEngine or one generate call per prompt to reuse prefixes)",
+                    stacklevel=4,
+                )
+            return 0
+        chunk = self.prefixes.chunk_tokens
+        return (length - 1) // chunk * chunk
+
+    # -- reuse -----------------------------------------------------------------------------------------------------
+    def restore(self, cache: VeriCache, prefix_ids: torch.Tensor) -> bool:
+        """Restore a stored prefix into `cache`, compressed tier first; the full tier loads behind (see
+        `wait_full_tier`). False on a miss, leaving the cache untouched."""
+        started = time.perf_counter()
+        try:
+            return self._restore(cache, prefix_ids)
+        finally:
+            self.stats.prefix_wait_seconds += time.perf_counter() - started
+
+    def _restore(self, cache: VeriCache, prefix_ids: torch.Tensor) -> bool:
+        full_keys = self.prefixes.chunk_keys(prefix_ids, self.full_print)
+        if not all(self.prefixes.store.exists_many([key + ":meta" for key in full_keys])):
+            return False
+        found = self.prefixes.load_state(prefix_ids, self.draft_print, "draft")
+        if found is None:
+            return False
+        state, nbytes = found
+        device = self.model.get_input_embeddings().weight.device
+        try:
+            drafts = [
+                self.compressor.restore(
+                    {name.split(".", 2)[2]: t.to(device) for name, t in state.items() if _layer(name) == i}
+                )
+                for i in range(len(cache.layers))
+            ]
+        except (KeyError, ValueError, RuntimeError) as error:  # checksummed but not this compressor's layout
+            warnings.warn(
+                f"vericache prefix store: the stored draft tier does not fit {type(self.compressor).__name__} "
+                f"({type(error).__name__}: {error}); reading it as a miss",
+                stacklevel=4,
+            )
+            return False
+        cache.adopt_prefix(drafts, prefix_ids.shape[-1])
+        self.stats.prefix_compressed_bytes += nbytes
+        self._loader = threading.Thread(
+            target=self._load_full_tier, args=(cache, prefix_ids), name="vericache-prefix-loader", daemon=True
+        )
+        self._loader.start()
+        return True
+
+    def _load_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
+        """The loader thread: append each full chunk to every layer's host full tier as it arrives."""
+        try:
+            for chunk, nbytes in self.prefixes.iter_layers(prefix_ids, self.full_print):
+                if self._cancel.is_set():
+                    return
+                for layer, (keys, values) in zip(cache.layers, chunk, strict=True):
+                    layer.full.reserve(prefix_ids.shape[-1], keys, values)  # one allocation for the prefix
+                    layer.full.append(keys, values)
+                self._loaded += keys.shape[-2]
+                self.stats.prefix_full_bytes += nbytes
+        except BaseException as error:  # reported by wait_full_tier, on the caller's thread
+            self._error = error
+
+    def close(self) -> None:
+        """Stop a loader that is still running (decoding ended early, by an error); nothing waits for it."""
+        self._cancel.set()
+
+    def full_tier_ready(self) -> bool:
+        return self._loader is None or not self._loader.is_alive()
+
+    def wait_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
+        """Wait for the chunks still on their way (at most `timeout`), recompute any that did not come, and let
+        verify passes read the full tier."""
+        if self._loader is None:
+            return
+        started = time.perf_counter()
+        self._loader.join(self.timeout)
+        if self._loader.is_alive():  # the store stalls: stop appending, and recompute what is missing
+            self._cancel.set()
+            self._loader.join()
+        self.stats.prefix_wait_seconds += time.perf_counter() - started
+        self._loader = None
+        length = prefix_ids.shape[-1]
+        if self._loaded < length:
+            why = f"{type(self._error).__name__}: {self._error}" if self._error else "missing or refused"
+            warnings.warn(
+                f"vericache prefix store: {length - self._loaded} of {length} prefix tokens did not load ({why}); "
+                "recomputing them",
+                stacklevel=4,
+            )
+            self._recompute(cache, prefix_ids)
+        cache.full_tier_loaded()
+        self.stats.prefix_tokens_reused += self._loaded
+
+    @torch.inference_mode()
+    def _recompute(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
+        """The exact K/V of the prefix tokens the loader did not append, by a stock forward over them."""
+        start = min(layer.full.length for layer in cache.layers)
+        for layer in cache.layers:
+            layer.full.truncate(start)
+        device = self.model.get_input_embeddings().weight.device
+        seen = [tuple(t.to(device) for t in layer.full.view()) for layer in cache.layers] if start else None
+        computed = DynamicCache(ddp_cache_data=seen)
+        self.model(
+            input_ids=prefix_ids[:, start:].to(device),
+            position_ids=torch.arange(start, prefix_ids.shape[-1], device=device)[None],
+            past_key_values=computed,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for layer, kv in zip(cache.layers, computed.layers, strict=True):
+            layer.full.append(kv.keys[:, :, start:], kv.values[:, :, start:])
+
+    # -- saving ----------------------------------------------------------------------------------------------------
+    def save(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
+        """Queue the prefilled prefix (full tier and compressed draft tier) for the store's writer thread."""
+        length = prefix_ids.shape[-1]
+        full = [(layer.full.keys[:, :, :length], layer.full.values[:, :, :length]) for layer in cache.layers]
+        state = {}
+        for i, layer in enumerate(cache.layers):
+            state.update({f"layer.{i}.{name}": t for name, t in layer.draft.export().items()})
+        ids = prefix_ids[0].detach().cpu()
+
+        def job() -> None:
+            self.prefixes.save(ids, full, self.full_print)
+            self.prefixes.save_state(ids, state, self.draft_print, "draft")
+
+        write_behind(self.prefixes.store, job)
+
+
+def _layer(name: str) -> int:
+    """The layer index of a `layer.<i>.<name>` tensor of a draft entry."""
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "layer" or not parts[1].isdigit():
+        raise KeyError(f"unexpected tensor {name!r} in a draft entry")
+    return int(parts[1])
