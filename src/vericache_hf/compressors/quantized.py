@@ -114,7 +114,8 @@ class QuantizedStore(DraftStore):
     def export(self) -> dict[str, torch.Tensor]:
         """The slots as attention reads them (quantized groups dequantized), and where the quantized groups end."""
         counts = torch.tensor([self.quantized, self.quantized_bytes], dtype=torch.int64)
-        return {**self.tokens.export(), "quantized": counts}
+        rows = self.tokens.valid.shape[0]
+        return {**self.tokens.export(), "quantized": counts.expand(rows, 2).clone()}
 
     @classmethod
     def restored(cls, codec: Codec, group_size: int, residual_length: int, state: dict[str, torch.Tensor]):
@@ -124,7 +125,7 @@ class QuantizedStore(DraftStore):
             codec, group_size, residual_length + slots[0].shape[-2], *slots
         )  # nothing to quantize yet
         store.residual_length = residual_length
-        store.quantized, store.quantized_bytes = (int(n) for n in state["quantized"].tolist())
+        store.quantized, store.quantized_bytes = (int(n) for n in state["quantized"][0].tolist())
         return store
 
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from ..cache.compressor import Compressor
 from ..cache.vericache import VeriCache
+from ..compat import cache_kwargs
 from ..stats import VeriCacheStats
 from .cache import PrefixCache
 from .keys import fingerprint_for
@@ -62,15 +63,19 @@ class PrefixReuse:
 
     def boundary(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
         """The prefix length to reuse or save: whole chunks, leaving at least one token; 0 when not applicable
-        (prompts shorter than a chunk and one token, and batches: a prefix is one request's, see the engine)."""
+        (prompts shorter than a chunk and one token, and batches of different prompts: a prefix is one request's;
+        a batch of one prompt repeated, as `num_return_sequences` makes, shares it)."""
         batch, length = input_ids.shape
-        if batch != 1 or (attention_mask is not None and not bool(attention_mask.all())):
-            if batch != 1:
-                warnings.warn(
-                    f"prefix_store serves one request per call; this batch of {batch} decodes without it "
-                    "(use VeriCacheEngine or one generate call per prompt to reuse prefixes)",
-                    stacklevel=4,
-                )
+        if (
+            attention_mask is not None
+            and not bool(attention_mask.all())
+            or not bool((input_ids == input_ids[:1]).all())
+        ):
+            warnings.warn(
+                f"prefix_store serves one prompt per call; this batch of {batch} different prompts decodes "
+                "without it (use VeriCacheEngine or one generate call per prompt to reuse prefixes)",
+                stacklevel=4,
+            )
             return 0
         chunk = self.prefixes.chunk_tokens
         return (length - 1) // chunk * chunk
@@ -86,18 +91,23 @@ class PrefixReuse:
             self.stats.prefix_wait_seconds += time.perf_counter() - started
 
     def _restore(self, cache: VeriCache, prefix_ids: torch.Tensor) -> bool:
-        full_keys = self.prefixes.chunk_keys(prefix_ids, self.full_print)
+        ids = prefix_ids[:1]  # every row holds the same prompt
+        full_keys = self.prefixes.chunk_keys(ids, self.full_print)
         if not all(self.prefixes.store.exists_many([key + ":meta" for key in full_keys])):
             return False
-        found = self.prefixes.load_state(prefix_ids, self.draft_print, "draft")
+        found = self.prefixes.load_state(ids, self.draft_print, "draft")
         if found is None:
             return False
         state, nbytes = found
-        device = self.model.get_input_embeddings().weight.device
+        device, rows = self.model.get_input_embeddings().weight.device, prefix_ids.shape[0]
         try:
             drafts = [
                 self.compressor.restore(
-                    {name.split(".", 2)[2]: t.to(device) for name, t in state.items() if _layer(name) == i}
+                    {
+                        name.split(".", 2)[2]: _rows(t, rows).to(device)
+                        for name, t in state.items()
+                        if _layer(name) == i
+                    }
                 )
                 for i in range(len(cache.layers))
             ]
@@ -119,10 +129,12 @@ class PrefixReuse:
     def _load_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
         """The loader thread: append each full chunk to every layer's host full tier as it arrives."""
         try:
-            for chunk, nbytes in self.prefixes.iter_layers(prefix_ids, self.full_print):
+            for chunk, nbytes in self.prefixes.iter_layers(prefix_ids[:1], self.full_print):
                 if self._cancel.is_set():
                     return
+                rows = prefix_ids.shape[0]
                 for layer, (keys, values) in zip(cache.layers, chunk, strict=True):
+                    keys, values = _rows(keys, rows), _rows(values, rows)
                     layer.full.reserve(prefix_ids.shape[-1], keys, values)  # one allocation for the prefix
                     layer.full.append(keys, values)
                 self._loaded += keys.shape[-2]
@@ -161,7 +173,7 @@ class PrefixReuse:
         cache.full_tier_loaded()
         self.stats.prefix_tokens_reused += self._loaded
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference mode: the full tier's buffers must stay writable by later commits
     def _recompute(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
         """The exact K/V of the prefix tokens the loader did not append, by a stock forward over them."""
         start = min(layer.full.length for layer in cache.layers)
@@ -173,7 +185,7 @@ class PrefixReuse:
         self.model(
             input_ids=prefix_ids[:, start:].to(device),
             position_ids=torch.arange(start, prefix_ids.shape[-1], device=device)[None],
-            past_key_values=computed,
+            **cache_kwargs(self.model, computed),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -183,11 +195,13 @@ class PrefixReuse:
     # -- saving ----------------------------------------------------------------------------------------------------
     def save(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
         """Queue the prefilled prefix (full tier and compressed draft tier) for the store's writer thread."""
-        length = prefix_ids.shape[-1]
-        full = [(layer.full.keys[:, :, :length], layer.full.values[:, :, :length]) for layer in cache.layers]
+        length = prefix_ids.shape[-1]  # every row holds the same prompt: row 0 is saved
+        full = [
+            (layer.full.keys[:1, :, :length], layer.full.values[:1, :, :length]) for layer in cache.layers
+        ]
         state = {}
         for i, layer in enumerate(cache.layers):
-            state.update({f"layer.{i}.{name}": t for name, t in layer.draft.export().items()})
+            state.update({f"layer.{i}.{name}": t[:1] for name, t in layer.draft.export().items()})
         ids = prefix_ids[0].detach().cpu()
 
         def job() -> None:
@@ -195,6 +209,11 @@ class PrefixReuse:
             self.prefixes.save_state(ids, state, self.draft_print, "draft")
 
         write_behind(self.prefixes.store, job)
+
+
+def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A stored (1, ...) tensor for a batch of `rows` copies of one prompt (a view)."""
+    return tensor.expand(rows, *tensor.shape[1:])
 
 
 def _layer(name: str) -> int:

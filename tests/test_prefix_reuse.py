@@ -1,0 +1,291 @@
+"""Prefix caching through `generate` (issue 22): the output equals stock `generate` on the full cache whether the
+prefix was saved, reused, corrupted, missing or unreachable, on both backends (a real Redis server and a directory).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import vericache_hf
+from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.compressors import build_compressor
+from vericache_hf.prefix import DiskStore, PrefixStore, RedisStore, ThrottledStore, flush
+from vericache_hf.prefix.reuse import PrefixReuse
+
+from .conftest import VOCAB, small_model, tiny_model
+from .redis_server import free_port
+from .test_sampling import ALPHA, NEW_TOKENS, SAMPLES, SAMPLING, chi_square_p
+
+CHUNK = 32
+SHARED = 3 * CHUNK + 5  # the stored prefix is 3 chunks: 96 tokens
+NEW = 24
+
+
+def shared_prefix(seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, SHARED), generator=torch.Generator().manual_seed(seed))
+
+
+def request(question: int, prefix: torch.Tensor | None = None) -> torch.Tensor:
+    prefix = shared_prefix() if prefix is None else prefix
+    tail = torch.randint(3, VOCAB, (1, 2 + question), generator=torch.Generator().manual_seed(100 + question))
+    return torch.cat([prefix, tail], dim=-1)
+
+
+def stock(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def vericache(model, ids, store, compressor="snapkv", **kwargs) -> tuple[torch.Tensor, VeriCacheStats]:
+    stats = VeriCacheStats()
+    kwargs.setdefault("compression_ratio", 0.75)
+    config = VeriCacheConfig(
+        compressor=compressor,
+        prefix_store=store,
+        prefix_chunk_tokens=CHUNK,
+        stats=stats,
+        **kwargs,
+    )
+    out = model.generate(
+        ids, max_new_tokens=NEW, do_sample=False, generation_mode="vericache", vericache_config=config
+    )
+    flush(store)
+    return out, stats
+
+
+@pytest.mark.parametrize("compressor", ["snapkv", "streaming_llm", "kivi", ["knorm", "kivi"]])
+def test_saved_and_reused_prefix_match_stock(model, make_store, compressor):
+    store = make_store()
+    for question in range(3):
+        ids = request(question)
+        out, stats = vericache(model, ids, store, compressor)
+        assert torch.equal(out, stock(model, ids)), f"question {question}"
+        assert stats.prefix_tokens_reused == (0 if question == 0 else 3 * CHUNK)
+        if question:
+            assert stats.prefix_full_bytes > 0
+            assert stats.prefix_compressed_bytes > 0
+            assert 0 < stats.first_draft_seconds <= stats.first_token_seconds
+    if compressor in ("snapkv", "streaming_llm"):  # a quarter of the tokens: the draft entry is far smaller
+        assert stats.prefix_compressed_bytes < 0.4 * stats.prefix_full_bytes
+
+
+def test_drafting_runs_on_while_the_full_prefix_loads(llama, tmp_path):
+    """Over a slow link the first round drafts past its usual length until the full prefix is there."""
+    store = DiskStore(tmp_path)
+    vericache(llama, request(0), store)  # save
+    slow = ThrottledStore(store, bandwidth_bytes_per_s=2e6, latency_s=0.002)  # the full prefix takes ~0.2 s
+    ids = request(1)
+    out, stats = vericache(llama, ids, slow, draft_schedule="fixed", draft_length=4, max_draft_length=16)
+    assert torch.equal(out, stock(llama, ids))
+    assert stats.prefix_tokens_reused == 3 * CHUNK
+    assert stats.draft_lengths[0] > 4
+    assert stats.prefix_wait_seconds > 0
+
+
+def test_sampled_tokens_over_a_reused_prefix_are_distributed_as_stock(tmp_path):
+    """The first round after a stored prefix (suffix drafted on the restored draft tier, then verified) samples
+    exactly: 4000 copies of one prompt (`num_return_sequences`, which share the prefix) against stock sampling."""
+    small = small_model()
+    store = DiskStore(tmp_path)
+    config = VeriCacheConfig(
+        compressor="streaming_llm",
+        compression_ratio=0.9,
+        draft_length=3,
+        draft_schedule="fixed",
+        prefix_store=store,
+        prefix_chunk_tokens=CHUNK,
+    )
+    vericache(small, request(0), store, "streaming_llm", compression_ratio=0.9)  # saves the prefix
+    ids = request(1)
+    torch.manual_seed(1234)
+    out = small.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        num_return_sequences=SAMPLES,
+        generation_mode="vericache",
+        vericache_config=config,
+        return_dict_in_generate=True,
+        **SAMPLING,
+    )
+    stock_out = small.generate(ids, max_new_tokens=NEW_TOKENS, num_return_sequences=SAMPLES, **SAMPLING)
+    stats = out.vericache_stats
+    assert stats.prefix_tokens_reused == 3 * CHUNK
+    assert 0.2 < stats.acceptance_rate < 0.95, "the test needs both accepted and rejected drafts"
+    prompt = ids.shape[-1]
+    for position in range(prompt, prompt + NEW_TOKENS):
+        p_value = chi_square_p(out.sequences[:, position], stock_out[:, position])
+        assert p_value > ALPHA / NEW_TOKENS, (position, p_value)
+
+
+def corrupt(model, store: PrefixStore, tier: str, edit) -> None:
+    """Damage the stored bytes of one tier of the shared prefix (every full chunk, or the draft entry)."""
+    reuse = PrefixReuse(store, model, build_compressor("snapkv", 0.75, None), VeriCacheStats(), CHUNK)
+    prefix = shared_prefix()[:, : 3 * CHUNK]
+    printed = reuse.full_print if tier == "full" else reuse.draft_print
+    keys = reuse.prefixes.chunk_keys(prefix, printed, tier)
+    for key in keys if tier == "full" else keys[-1:]:
+        store.put(key + ":kv", edit(store.get(key + ":kv")))
+
+
+@pytest.mark.parametrize(
+    "tier,edit",
+    [
+        ("draft", lambda b: b[:-1] + bytes([b[-1] ^ 1])),  # flipped byte
+        ("full", lambda b: b[:-1] + bytes([b[-1] ^ 1])),
+        ("full", lambda b: b[: len(b) // 2]),  # truncated
+    ],
+)
+def test_damaged_entries_are_never_used(llama, make_store, tier, edit):
+    store = make_store()
+    vericache(llama, request(0), store)
+    corrupt(llama, store, tier, edit)
+    ids = request(1)
+    with pytest.warns(UserWarning, match="refused"):
+        out, stats = vericache(llama, ids, store)
+    assert torch.equal(out, stock(llama, ids))
+    if tier == "draft":  # a miss: prefilled and saved again
+        assert stats.prefix_tokens_reused == 0
+        out, stats = vericache(llama, request(2), store)
+        assert stats.prefix_tokens_reused == 3 * CHUNK
+        assert torch.equal(out, stock(llama, request(2)))
+    else:  # the compressed tier was fine: drafting started, and the full chunks were recomputed
+        assert stats.prefix_tokens_reused < 3 * CHUNK
+
+
+def test_other_compressor_or_model_never_matches(llama, make_store):
+    store = make_store()
+    vericache(llama, request(0), store, "snapkv")
+    _, stats = vericache(llama, request(1), store, "streaming_llm")
+    assert stats.prefix_tokens_reused == 0
+    other = tiny_model("llama", seed=1)
+    ids = request(2)
+    out, stats = vericache(other, ids, store, "snapkv")
+    assert stats.prefix_tokens_reused == 0
+    assert torch.equal(out, stock(other, ids))
+
+
+def test_tenants_do_not_see_each_other(llama, make_store):
+    vericache(llama, request(0), make_store("team-a"))
+    _, stats = vericache(llama, request(1), make_store("team-b"))
+    assert stats.prefix_tokens_reused == 0
+    _, stats = vericache(llama, request(2), make_store("team-a"))
+    assert stats.prefix_tokens_reused == 3 * CHUNK
+
+
+def test_store_that_is_down_decodes_exactly_without_hanging(llama):
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
+    ids = request(0)
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        out, stats = vericache(llama, ids, store)
+    assert time.perf_counter() - started < 20
+    assert torch.equal(out, stock(llama, ids))
+    assert stats.prefix_tokens_reused == 0
+
+
+class StallingStore(DiskStore):
+    """Full-tier chunks never come in time: each read of one blocks for `stall` seconds."""
+
+    stall = 1.5
+
+    def get_many(self, keys):
+        if any(key.startswith("full@") and key.endswith(":kv") for key in keys):
+            time.sleep(self.stall)
+        return super().get_many(keys)
+
+
+def test_stalled_full_tier_is_recomputed_after_the_timeout(llama, tmp_path):
+    store = StallingStore(tmp_path)
+    vericache(llama, request(0), DiskStore(tmp_path))  # saved through a plain view of the same directory
+    ids = request(1)
+    started = time.perf_counter()
+    with pytest.warns(UserWarning, match="recomputing"):
+        out, stats = vericache(llama, ids, store, transfer_timeout=0.3)
+    assert torch.equal(out, stock(llama, ids))
+    assert stats.prefix_tokens_reused < 3 * CHUNK
+    assert time.perf_counter() - started < 10
+
+
+def test_two_requests_writing_one_prefix_at_once(llama, make_store):
+    store = make_store()
+    results, errors = {}, []
+
+    def run(question):
+        try:
+            results[question] = vericache(llama, request(question), store)[0]
+        except BaseException as error:  # reported below, on the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    for question in (0, 1):
+        assert torch.equal(results[question], stock(llama, request(question)))
+    out, stats = vericache(llama, request(2), store)
+    assert stats.prefix_tokens_reused == 3 * CHUNK
+    assert torch.equal(out, stock(llama, request(2)))
+
+
+def test_warm_prefix_then_first_request_hits(llama, tmp_path):
+    store = DiskStore(tmp_path)
+    config = VeriCacheConfig(prefix_store=store, prefix_chunk_tokens=CHUNK, compression_ratio=0.75)
+    assert vericache_hf.warm_prefix(llama, shared_prefix()[:, : 3 * CHUNK], config) == 3 * CHUNK
+    ids = request(0)
+    out, stats = vericache(llama, ids, store)
+    assert stats.prefix_tokens_reused == 3 * CHUNK
+    assert torch.equal(out, stock(llama, ids))
+
+
+def test_short_prompts_and_batches_decode_without_the_store(llama, tmp_path):
+    store = DiskStore(tmp_path)
+    short = request(0)[:, : CHUNK - 4]
+    out, stats = vericache(llama, short, store)
+    assert torch.equal(out, stock(llama, short))
+    other = request(0).clone()
+    other[0, -1] += 1
+    batch = torch.cat([request(0), other], dim=0)
+    with pytest.warns(UserWarning, match="one prompt per call"):
+        out, stats = vericache(llama, batch, store)
+    assert torch.equal(out, stock(llama, batch))
+    assert stats.prefix_tokens_reused == 0
+    repeated = torch.cat(
+        [request(0)] * 3, dim=0
+    )  # one prompt, as num_return_sequences makes: shares the prefix
+    out, stats = vericache(llama, repeated, store)
+    assert torch.equal(out, stock(llama, repeated))
+    assert stats.prefix_tokens_reused == 3 * CHUNK
+
+
+def test_engine_requests_reuse_a_shared_prefix(llama, tmp_path):
+    store = DiskStore(tmp_path)
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(
+        compression_ratio=0.75, prefix_store=store, prefix_chunk_tokens=CHUNK, stats=stats
+    )
+    vericache(llama, request(0), store)
+    prompts = [request(q)[0].tolist() for q in (1, 2, 3)]
+    results = vericache_hf.generate_batch(
+        llama, prompts, max_new_tokens=NEW, do_sample=False, vericache_config=config
+    )
+    for question, prompt in zip((1, 2, 3), prompts, strict=True):
+        expected = stock(llama, request(question))[0, len(prompt) :].tolist()
+        assert results[f"req_{question - 1}"].generated_tokens == expected
+    assert stats.prefix_tokens_reused == 3 * 3 * CHUNK
+
+
+def test_bad_prefix_settings_say_what_to_do(llama, tmp_path):
+    with pytest.raises(TypeError, match="prefix_store must be"):
+        VeriCacheConfig(prefix_store=str(tmp_path))
+    config = VeriCacheConfig(prefix_store=DiskStore(tmp_path))
+    with pytest.raises(ValueError, match="cannot be saved in a generation config"):
+        config.to_dict()
+    with pytest.raises(ValueError, match="warm_prefix stores into"):
+        vericache_hf.warm_prefix(llama, request(0), VeriCacheConfig())
