@@ -22,8 +22,7 @@ from transformers import (
 import vericache_hf  # registers generation_mode="vericache"
 from vericache_hf.cache.transfer import WORKER_THREAD_NAME
 from vericache_hf.prefix import DiskStore, RedisStore
-
-from .redis_server import running_redis, server_binary
+from vericache_tools.redis_server import running_redis, server_binary
 
 VOCAB = 96
 

@@ -16,9 +16,9 @@ from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf.compressors import build_compressor
 from vericache_hf.prefix import DiskStore, PrefixStore, RedisStore, ThrottledStore, flush
 from vericache_hf.prefix.reuse import PrefixReuse
+from vericache_tools.redis_server import free_port
 
 from .conftest import VOCAB, small_model, tiny_model
-from .redis_server import free_port
 from .test_sampling import ALPHA, NEW_TOKENS, SAMPLES, SAMPLING, chi_square_p
 
 CHUNK = 32

@@ -28,9 +28,9 @@ from vericache_hf.prefix import (
     chunk_hashes,
     fingerprint_for,
 )
+from vericache_tools.redis_server import free_port
 
 from .conftest import tiny_model
-from .redis_server import free_port
 
 CHUNK = 8
 FP = KVFingerprint(model="m1", dtype="torch.float32", num_layers=2, num_kv_heads=2, head_dim=4)

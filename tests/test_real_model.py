@@ -68,3 +68,33 @@ def test_demo_command_shows_identical_output(smollm2, capsys):
     assert "Acceptance:" in out and "medians of 2 interleaved run(s)" in out
     speed = out.split("prefill", 1)[1]
     assert speed.count("tok/s") == 3 and speed.count("s  ") >= 3  # decode tok/s beside each prefill time
+
+
+def test_reused_prefix_is_exact_on_the_real_model(smollm2, code_prompt, full_output, make_store):
+    """fp32 SmolLM2 through a real store (a directory, a Redis server): the request that saves the prefix and the
+    ones that reuse it (compressed tier first) all match stock `generate` on the full cache."""
+    from vericache_hf.prefix import flush
+
+    model, tokenizer = smollm2
+    store = make_store()
+    prefix = code_prompt[:, :1024]
+    other = tokenizer("\n\n# Now write a function that reverses a list.\n", return_tensors="pt").input_ids
+    requests = [code_prompt, torch.cat([prefix, other], dim=-1), code_prompt]
+    for index, ids in enumerate(requests):
+        stats = VeriCacheStats()
+        config = VeriCacheConfig(
+            compressor="snapkv", compression_ratio=0.875, prefix_store=store, stats=stats
+        )
+        got = model.generate(
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            generation_mode="vericache",
+            vericache_config=config,
+        )
+        flush(store)
+        expected = (
+            full_output if index != 1 else model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        )
+        assert torch.equal(got, expected), f"request {index}"
+        assert stats.prefix_tokens_reused == (0 if index == 0 else 1024)

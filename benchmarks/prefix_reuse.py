@@ -1,0 +1,218 @@
+"""Remote prefix caching on the embedded model (issue 22): a shared prefix of 2k-8k tokens stored in a real store
+(a directory, and a Redis server started here on 127.0.0.1) behind an emulated link, a short suffix, 128 new tokens.
+
+Three ways to answer, side by side in one run:
+- recompute: stock `generate` on the whole prompt (no store);
+- full-first: fetch the prefix's full KV from the store (as LMCache does), then stock `generate` with it, which
+  prefills only the suffix;
+- compressed-first: VeriCache with `prefix_store`: fetch the compressed draft tier (snapkv, 1/8 of the KV), draft at
+  once while the full KV streams in behind, and let the first verify pass prefill the suffix exactly.
+
+Reports time to first token, end-to-end latency, decode tokens/s and whether each output equals recompute's
+(identical share), per prefix, link and backend; writes results.json, table.md and plot.png.
+
+    python benchmarks/prefix_reuse.py --out docs/bench-prefix
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
+import torch
+from transformers import DynamicCache
+
+import vericache_hf
+from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.prefix import DiskStore, PrefixCache, RedisStore, ThrottledStore, fingerprint_for
+from vericache_tools.bench.workloads import code_context, humaneval_problems
+from vericache_tools.embedded import load_embedded_model
+from vericache_tools.redis_server import running_redis, server_binary
+
+LINKS = {"1": (1e9, 2e-3), "5": (5e9, 0.5e-3), "25": (25e9, 0.2e-3)}  # Gbit/s: (bit/s, latency per request)
+
+
+class FirstToken:
+    """A streamer that notes when the first generated token arrives (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def timed(run) -> tuple[torch.Tensor, float, float]:
+    """(output, seconds to the first token, seconds end to end) of `run(streamer)`."""
+    streamer = FirstToken()
+    started = time.perf_counter()
+    out = run(streamer)
+    ended = time.perf_counter()
+    return out, streamer.first - started, ended - started
+
+
+def prompts(tokenizer, prefix_tokens: int, count: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The shared prefix (exactly `prefix_tokens` of code) and `count` requests: prefix + a short coding task."""
+    prefix = tokenizer(code_context(tokenizer, prefix_tokens + 64), return_tensors="pt").input_ids[
+        :, :prefix_tokens
+    ]
+    tasks = [problem["prompt"] for problem in humaneval_problems()[:count]]
+    suffixes = [
+        tokenizer("\n\n" + task, return_tensors="pt", add_special_tokens=False).input_ids for task in tasks
+    ]
+    return prefix, [torch.cat([prefix, suffix], dim=-1) for suffix in suffixes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefixes", default="2048,4096,8192")
+    parser.add_argument("--gbits", default="1,5,25", help=f"links among {sorted(LINKS)}")
+    parser.add_argument("--backends", default="disk,redis")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=1, help="requests (suffixes) per cell")
+    parser.add_argument("--out", default="docs/bench-prefix")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model, tokenizer = load_embedded_model()
+    fingerprint = fingerprint_for(model)
+    new = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as disk, running_redis(server_binary()) as url:
+        stores = {"disk": DiskStore(disk, max_bytes=64 << 30), "redis": RedisStore(url, timeout=30)}
+        for prefix_tokens in (int(n) for n in args.prefixes.split(",")):
+            prefix, requests = prompts(tokenizer, prefix_tokens, args.requests)
+            for backend in args.backends.split(","):
+                store = stores[backend]
+                config = dict(compressor="snapkv", compression_ratio=0.875, prefix_store=store)
+                vericache_hf.warm_prefix(model, prefix, VeriCacheConfig(**config))
+                for ids in requests:
+                    rows += cell(model, ids, store, prefix_tokens, backend, config, fingerprint, new, args)
+    report(rows, Path(args.out), args)
+
+
+def cell(model, ids, store, prefix_tokens, backend, config, fingerprint, new, args) -> list[dict]:
+    """One request answered by recompute, then by full-first and compressed-first over each link."""
+    reference, ttft, total = timed(lambda streamer: model.generate(ids, streamer=streamer, **new))
+    rows = [row("recompute", backend, prefix_tokens, "-", ttft, total, True, args)]
+    for gbit in args.gbits.split(","):
+        bandwidth, latency = LINKS[gbit]
+        link = ThrottledStore(store, bandwidth / 8, latency)
+
+        def full_first(streamer, link=link):
+            hit, kv = PrefixCache(link).load(ids[:, :prefix_tokens], fingerprint)
+            assert hit == prefix_tokens, f"the full prefix is not stored ({hit} tokens hit)"
+            cache = DynamicCache(ddp_cache_data=kv)
+            return model.generate(ids, past_key_values=cache, streamer=streamer, **new)
+
+        out, ttft, total = timed(full_first)
+        rows.append(
+            row("full-first", backend, prefix_tokens, gbit, ttft, total, torch.equal(out, reference), args)
+        )
+        stats = VeriCacheStats()
+        vericache = VeriCacheConfig(**{**config, "prefix_store": link}, stats=stats)
+        out, ttft, total = timed(
+            lambda streamer, vericache=vericache: model.generate(
+                ids, streamer=streamer, generation_mode="vericache", vericache_config=vericache, **new
+            )
+        )
+        same = torch.equal(out, reference)
+        rows.append(row("compressed-first", backend, prefix_tokens, gbit, ttft, total, same, args, stats))
+        print(json.dumps(rows[-2:]), flush=True)
+    return rows
+
+
+def row(method, backend, prefix, gbit, ttft, total, same, args, stats: VeriCacheStats | None = None) -> dict:
+    out = {
+        "method": method,
+        "backend": backend,
+        "prefix": prefix,
+        "gbit": gbit,
+        "ttft_s": round(ttft, 3),
+        "end_to_end_s": round(total, 3),
+        "decode_tok_s": round((args.new_tokens - 1) / (total - ttft), 2),
+        "identical": same,
+    }
+    if stats is not None:
+        out |= {
+            "reused": stats.prefix_tokens_reused,
+            "compressed_mib": round(stats.prefix_compressed_bytes / 2**20, 1),
+            "full_mib": round(stats.prefix_full_bytes / 2**20, 1),
+            "store_wait_s": round(stats.prefix_wait_seconds, 3),
+            "first_draft_s": round(stats.first_draft_seconds, 3),
+            "first_round_drafts": stats.draft_lengths[0] if stats.draft_lengths else 0,
+            "first_round_accepted": stats.accepted_per_round[0] if stats.accepted_per_round else 0,
+        }
+    return out
+
+
+def report(rows: list[dict], out: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        "| backend | prefix | link (Gbit/s) | method | TTFT (s) | end to end (s) | decode tok/s | identical | "
+        "x full-first (end to end) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = next(
+            (
+                b
+                for b in rows
+                if b["method"] == "full-first"
+                and (b["backend"], b["prefix"], b["gbit"]) == (r["backend"], r["prefix"], r["gbit"])
+            ),
+            None,
+        )
+        ratio = f"{base['end_to_end_s'] / r['end_to_end_s']:.2f}" if base else "-"
+        lines.append(
+            f"| {r['backend']} | {r['prefix']} | {r['gbit']} | {r['method']} | {r['ttft_s']:.2f} | "
+            f"{r['end_to_end_s']:.2f} | {r['decode_tok_s']:.1f} | {'yes' if r['identical'] else 'NO'} | {ratio} |"
+        )
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    backends = sorted({r["backend"] for r in rows})
+    prefixes = sorted({r["prefix"] for r in rows})
+    figure, axes = plt.subplots(
+        len(backends), len(prefixes), figsize=(4 * len(prefixes), 3.2 * len(backends)), squeeze=False
+    )
+    for i, backend in enumerate(backends):
+        for j, prefix in enumerate(prefixes):
+            ax = axes[i][j]
+            cell = [r for r in rows if r["backend"] == backend and r["prefix"] == prefix]
+            recompute = next(r["end_to_end_s"] for r in cell if r["method"] == "recompute")
+            for method, marker in (("full-first", "o"), ("compressed-first", "s")):
+                points = [r for r in cell if r["method"] == method]
+                ax.plot(
+                    [r["gbit"] for r in points],
+                    [r["end_to_end_s"] for r in points],
+                    marker=marker,
+                    label=method,
+                )
+            ax.axhline(recompute, color="grey", linestyle="--", label="recompute")
+            ax.set_title(f"{backend}, {prefix}-token prefix")
+            ax.set_xlabel("link (Gbit/s)")
+            ax.set_ylabel(f"end to end, {args.new_tokens} tokens (s)")
+            ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "plot.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
