@@ -31,7 +31,7 @@ from transformers import DynamicCache
 import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf.prefix import DiskStore, PrefixCache, RedisStore, ThrottledStore, fingerprint_for
-from vericache_tools.bench.workloads import code_context, humaneval_problems
+from vericache_tools.prompts import code_context, humaneval_problems
 from vericache_tools.embedded import load_embedded_model
 from vericache_tools.redis_server import running_redis, server_binary
 
