@@ -76,7 +76,7 @@ def prompts(tokenizer, prefix_tokens: int, count: int) -> tuple[torch.Tensor, li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefixes", default="2048,4096,8192")
+    parser.add_argument("--prefixes", default="2048,4096,7680", help="7680: the 8k cell, room left for the suffix")
     parser.add_argument("--gbits", default="1,5,25", help=f"links among {sorted(LINKS)}")
     parser.add_argument("--backends", default="disk,redis")
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -121,28 +121,31 @@ def test_sampled_tokens_over_a_reused_prefix_are_distributed_as_stock(tmp_path):
         assert p_value > ALPHA / NEW_TOKENS, (position, p_value)
 
 
-def corrupt(model, store: PrefixStore, tier: str, edit) -> None:
-    """Damage the stored bytes of one tier of the shared prefix (every full chunk, or the draft entry)."""
+def corrupt(model, store: PrefixStore, tier: str, edit, layer: int = 0) -> None:
+    """Damage the stored bytes of one tier of the shared prefix: one layer of every full chunk after the first
+    (layer 0: the loader stops at once; the last layer: after a verify pass has started), or the draft entry."""
     reuse = PrefixReuse(store, model, build_compressor("snapkv", 0.75, None), VeriCacheStats(), CHUNK)
     prefix = shared_prefix()[:, : 3 * CHUNK]
-    printed = reuse.full_print if tier == "full" else reuse.draft_print
-    keys = reuse.prefixes.chunk_keys(prefix, printed, tier)
-    for key in keys if tier == "full" else keys[-1:]:
+    if tier == "full":
+        keys = reuse.prefixes.layer_keys(prefix, reuse.full_print, layer)[1:]
+    else:
+        keys = reuse.prefixes.chunk_keys(prefix, reuse.draft_print, "draft")[-1:]
+    for key in keys:
         store.put(key + ":kv", edit(store.get(key + ":kv")))
 
 
 @pytest.mark.parametrize(
-    "tier,edit",
+    "tier,edit,layer",
     [
-        ("draft", lambda b: b[:-1] + bytes([b[-1] ^ 1])),  # flipped byte
-        ("full", lambda b: b[:-1] + bytes([b[-1] ^ 1])),
-        ("full", lambda b: b[: len(b) // 2]),  # truncated
+        ("draft", lambda b: b[:-1] + bytes([b[-1] ^ 1]), 0),  # flipped byte
+        ("full", lambda b: b[:-1] + bytes([b[-1] ^ 1]), 0),
+        ("full", lambda b: b[: len(b) // 2], 1),  # truncated, in the last layer
     ],
 )
-def test_damaged_entries_are_never_used(llama, make_store, tier, edit):
+def test_damaged_entries_are_never_used(llama, make_store, tier, edit, layer):
     store = make_store()
     vericache(llama, request(0), store)
-    corrupt(llama, store, tier, edit)
+    corrupt(llama, store, tier, edit, layer)
     ids = request(1)
     with pytest.warns(UserWarning, match="refused"):
         out, stats = vericache(llama, ids, store)
@@ -288,3 +291,17 @@ def test_bad_prefix_settings_say_what_to_do(llama, tmp_path):
         config.to_dict()
     with pytest.raises(ValueError, match="warm_prefix stores into"):
         vericache_hf.warm_prefix(llama, request(0), VeriCacheConfig())
+
+
+def test_staged_full_tier_waits_for_the_whole_prefix(llama, tmp_path):
+    """Where the full tier reaches the model through staging buffers (an accelerator; here `stage_on_cpu`), the
+    first verify pass waits for the whole prefix, then streams it as usual."""
+    store = DiskStore(tmp_path)
+    vericache(llama, request(0), store, stage_on_cpu=True)
+    slow = ThrottledStore(store, bandwidth_bytes_per_s=2e6, latency_s=0.002)
+    for question in (1, 2):
+        ids = request(question)
+        out, stats = vericache(llama, ids, slow, stage_on_cpu=True)
+        assert torch.equal(out, stock(llama, ids))
+        assert stats.prefix_tokens_reused == 3 * CHUNK
+        assert stats.bytes_to_device > 0  # the staged path ran

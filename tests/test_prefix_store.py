@@ -123,7 +123,7 @@ def test_corrupted_entry_is_a_miss_and_is_repaired(make_store):
     cache, ids = PrefixCache(store, chunk_tokens=CHUNK), prompt()
     kv = kv_for(ids.numel())
     cache.save(ids, kv, FP)
-    key = cache.chunk_keys(ids, FP)[1]
+    key = cache.layer_keys(ids, FP, 0)[1]
     corrupt(store, key + ":kv", lambda b: b[:-7] + bytes([b[-7] ^ 1]) + b[-6:])
     with pytest.warns(UserWarning, match=f"{key}.*checksum"):
         assert cache.load(ids, FP)[0] == CHUNK
@@ -135,7 +135,7 @@ def test_truncated_entry_is_a_miss(make_store):
     store = make_store()
     cache, ids = PrefixCache(store, chunk_tokens=CHUNK), prompt()
     cache.save(ids, kv_for(ids.numel()), FP)
-    key = cache.chunk_keys(ids, FP)[0]
+    key = cache.layer_keys(ids, FP, 0)[0]
     corrupt(store, key + ":kv", lambda b: b[: len(b) // 2])
     with pytest.warns(UserWarning, match="truncated"):
         assert cache.load(ids, FP) == (0, None)
@@ -162,7 +162,7 @@ def test_nothing_is_unpickled(make_store, tmp_path):
     cache, ids = PrefixCache(store, chunk_tokens=CHUNK), prompt()
     cache.save(ids, kv_for(ids.numel()), FP)
     marker = tmp_path / "unpickled"
-    key = cache.chunk_keys(ids, FP)[0]
+    key = cache.layer_keys(ids, FP, 0)[0]
     forge(store, key, pickle.dumps(Trap(marker)))
     with pytest.warns(UserWarning, match="not a valid safetensors"):
         assert cache.load(ids, FP) == (0, None)
@@ -184,7 +184,7 @@ def test_other_fingerprint_never_matches(make_store, change):
         warnings.simplefilter("always")
         assert cache.load(ids, other) == (0, None)  # other keys: a plain miss
     assert not seen
-    for mine, theirs in zip(cache.chunk_keys(ids, FP), cache.chunk_keys(ids, other), strict=True):
+    for mine, theirs in zip(cache.layer_keys(ids, FP, 0), cache.layer_keys(ids, other, 0), strict=True):
         for suffix in (":meta", ":kv"):  # entries copied under the other fingerprint's keys
             store.put(theirs + suffix, store.get(mine + suffix))
     with pytest.warns(UserWarning, match="fingerprint differs"):

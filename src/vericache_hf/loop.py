@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .cache.vericache import VeriCache
+from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule, ProposalLength
 from .prefix.reuse import PrefixReuse
@@ -189,21 +189,27 @@ def draft(
     k: int,
     io: DecodeIO,
     seqs: Sequences,
-    more: Callable[[], bool] | None = None,
+    more: Callable[[float], bool] | None = None,
     most: int = 0,
 ):
-    """k steps on the draft tier (then more, up to `most`, while `more()` says so: the full tier is still loading),
-    choosing from the processed draft distribution as stock `generate` would; returns (B, k) drafted tokens and,
-    when sampling, their (B, k, V) draft probabilities. `pending` is (B,) tokens, or a (B, s) block whose last
-    position gives the first draft (a prompt's suffix after a stored prefix)."""
+    """k steps on the draft tier (then more, up to `most`, while `more(verify_seconds)` says so: the full tier is
+    still loading), choosing from the processed draft distribution as stock `generate` would; returns (B, k) drafted
+    tokens and, when sampling, their (B, k, V) draft probabilities. `pending` is (B,) tokens, or a (B, s) block
+    whose last position gives the first draft (a prompt's suffix after a stored prefix). `verify_seconds` is what
+    the verify pass over the block and the drafts will take at least: the first pass's time per token, times its
+    width (the full tier's pass does the same work per token, over a longer context)."""
     if io.proposer is not None and pending.dim() == 1:
         return draft_with_proposals(model, cache, pending, positions, k, io, seqs)
     block = pending if pending.dim() == 2 else pending[:, None]
     drafts = block.new_empty((block.shape[0], 0))
     probs = [] if io.do_sample else None
-    position = positions
-    while drafts.shape[-1] < k or (more is not None and drafts.shape[-1] < most and more()):
+    position, width, per_token = positions, block.shape[-1], 0.0
+    while drafts.shape[-1] < k or (
+        more is not None and drafts.shape[-1] < most and more(per_token * (width + drafts.shape[-1]))
+    ):
+        started = time.perf_counter()
         logits = forward(model, cache, block, position, keep=1)[:, -1].float()
+        per_token = per_token or (time.perf_counter() - started) / width
         position = position + block.shape[-1]
         scores = process(io, seqs, drafts, logits)
         if io.do_sample:
@@ -319,6 +325,26 @@ def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, se
     return raw, scores
 
 
+def verify_after_prefix(
+    model, cache: VeriCache, reuse: PrefixReuse, prefix, pending, positions, drafts, io, seqs
+):
+    """The first verify pass after a stored prefix, which also prefills the suffix exactly. On the CPU it starts
+    while the last layers of the prefix are still loading, each layer waiting only for its own; elsewhere (staged
+    transfers need the whole tier) after the load. If the store failed part way, what is missing is recomputed and
+    the pass runs again."""
+    if cache.reads_in_place():
+        try:
+            with cache.verifying():
+                result = verify(model, cache, pending, positions, drafts, io, seqs)
+            reuse.wait_full_tier(cache, prefix)  # every layer arrived: the loader has ended
+            return result
+        except PrefixNotLoaded:
+            pass
+    reuse.wait_full_tier(cache, prefix)
+    with cache.verifying():
+        return verify(model, cache, pending, positions, drafts, io, seqs)
+
+
 def accept(io: DecodeIO, drafts, draft_probs, scores) -> tuple[list[int], torch.Tensor]:
     """Per-row accepted draft counts and the (B, k+1) tokens to emit, by the greedy or the sampling rule."""
     if io.do_sample:
@@ -366,18 +392,22 @@ def decode(
             most if offered is None else offered[0].shape[-1]
         ):  # the full tier streams in meanwhile
             if offered is None:
-                more = (lambda: not reuse.full_tier_ready()) if loading else None
+                more = reuse.keep_drafting if loading else None
                 drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs, more, most)
             else:
                 drafts, draft_probs = offered[0], None
-        if suffix:  # verification waits only for the prefix chunks still on their way
-            reuse.wait_full_tier(cache, input_ids[:, :boundary])
         if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
             torch.cuda.current_stream(drafts.device).synchronize()
         draft_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        with cache.verifying():
-            raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
+        if suffix:
+            prefix = input_ids[:, :boundary]
+            raw, scores = verify_after_prefix(
+                model, cache, reuse, prefix, pending, positions, drafts, io, seqs
+            )
+        else:
+            with cache.verifying():
+                raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
         if (
             offered is not None and io.do_sample
         ):  # the proposer's point masses; padding gets none (never kept)

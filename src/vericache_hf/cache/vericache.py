@@ -24,6 +24,7 @@ slot, as a stock decode step passes none).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -41,6 +42,10 @@ from .transfer import LayerTransfer, TransferEngine
 
 #: Tokens a staging buffer leaves free after the full tier when no draft length was announced.
 DEFAULT_ROOM = 64
+
+
+class PrefixNotLoaded(RuntimeError):
+    """A verify pass reached a layer whose stored prefix did not arrive (the store failed or timed out)."""
 
 
 class VeriCacheLayer(CacheLayerMixin):
@@ -98,6 +103,8 @@ class VeriCacheLayer(CacheLayerMixin):
 
     def _verify(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The full tier then the q new tokens, as one tensor each; the new tokens are kept as pending."""
+        if self.owner.full_tier_loading:
+            self.owner.await_layer(self.layer_idx)
         self.pending = (keys, values)
         self.pending_in_place = self.reads_in_place
         if self.pending_in_place:
@@ -126,6 +133,8 @@ class VeriCacheLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         if self.owner.phase == "drafting":
             return self.draft.num_committed + self.draft.num_drafted
+        if self.owner.full_tier_loading:  # the mask is built before this layer's prefix has arrived
+            return self.owner.full_valid.shape[-1]
         return self.full.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -177,6 +186,9 @@ class VeriCache(Cache):
         # no masked slot in the tier (no padding, nothing a row rejected): passes need no explicit mask
         self._full_dense = self._draft_dense = False
         self.full_tier_loading = False  # a stored prefix is being appended to the full tier by a loader
+        self._layer_ready: list[threading.Event] = []
+        self._layer_loaded: list[bool] = []
+        self._load_timeout = 60.0
         super().__init__(layers=[VeriCacheLayer(i, self) for i in range(num_layers)])
 
     # -- phases --------------------------------------------------------------------------------------------------
@@ -209,10 +221,12 @@ class VeriCache(Cache):
             finally:
                 self._capture = None
 
-    def adopt_prefix(self, drafts: list[DraftStore], length: int) -> None:
+    def adopt_prefix(self, drafts: list[DraftStore], length: int, timeout: float = 60.0) -> None:
         """Start from a stored prefix of `length` tokens instead of a prefill: `drafts` are the layers' draft tiers,
         restored on the device. The full tier is left to a loader, which appends the prefix to each layer's `full`
-        while drafting runs; nothing reads it until `full_tier_loaded()` (a verify pass before that raises)."""
+        while drafting runs and reports each layer with `layer_loaded`. A verify pass on the CPU may start before
+        the loader is done: each layer waits (up to `timeout`) for its own prefix, so the pass runs behind the load;
+        elsewhere verifying waits for `full_tier_loaded()`."""
         if self.full_valid is not None:
             raise RuntimeError("adopt_prefix replaces the prefill; create a new cache for a new prompt.")
         if len(drafts) != len(self.layers):
@@ -222,6 +236,32 @@ class VeriCache(Cache):
         batch = drafts[0].valid.shape[0]
         self.prompt_valid = self.full_valid = torch.ones((batch, length), dtype=torch.bool)
         self._full_dense, self.full_tier_loading = True, True
+        self._layer_ready = [threading.Event() for _ in self.layers]
+        self._layer_loaded = [False] * len(self.layers)
+        self._load_timeout = timeout
+
+    def layer_loaded(self, layer_idx: int) -> None:
+        """The loader appended layer `layer_idx`'s whole prefix: a verify pass may read it."""
+        self._layer_loaded[layer_idx] = True
+        self._layer_ready[layer_idx].set()
+
+    def loading_stopped(self) -> None:
+        """The loader ended, done or not: a verify pass waiting on a layer it did not load raises at once."""
+        for event in self._layer_ready:
+            event.set()
+
+    def await_layer(self, layer_idx: int) -> None:
+        started = time.perf_counter()
+        self._layer_ready[layer_idx].wait(self._load_timeout)
+        self.stats.prefix_wait_seconds += time.perf_counter() - started
+        if not self._layer_loaded[layer_idx]:
+            raise PrefixNotLoaded(
+                f"layer {layer_idx}'s stored prefix did not arrive in {self._load_timeout} s"
+            )
+
+    def reads_in_place(self) -> bool:
+        """Every layer reads its full tier on the host, in place (known after the first forward)."""
+        return all(layer.is_initialized and layer.reads_in_place for layer in self.layers)
 
     def full_tier_loaded(self) -> None:
         """The loader `adopt_prefix` left the full tier to is done: verify passes may read it."""
@@ -278,7 +318,7 @@ class VeriCache(Cache):
     def verifying(self) -> Iterator[None]:
         """One pass over the full tier. On success the pass's tokens wait for `commit`; on error they are dropped
         and the round's transfers cancelled."""
-        if self.full_tier_loading:
+        if self.full_tier_loading and not self.reads_in_place():
             raise RuntimeError(
                 "the full tier is still loading a stored prefix; wait for it before verifying."
             )
@@ -392,7 +432,7 @@ class VeriCache(Cache):
 
     def _record_round(self) -> None:
         stats = self.stats
-        for transfer in self._round.values():
+        for transfer in (self._round or {}).values():  # none while a stored prefix loads in place
             self.transfers.settle(transfer)
             stats.chunk_transfers += 1
             stats.bytes_to_device += transfer.bytes

@@ -1,22 +1,21 @@
 """`PrefixCache`: save a prompt's KV to a `PrefixStore` chunk by chunk, and load the longest leading run that hits.
 
-The prompt is cut into chunks of `chunk_tokens` (256, as LMCache); a partial last chunk is not stored. Chunk i is
-stored under its chained hash (`keys.chunk_hashes`) as two entries: `<tier>@<hash>:meta` (JSON, `codec`) and
-`<tier>@<hash>:kv` (safetensors). A load reads every chunk's metadata in one batch, then the bytes of the leading
-run whose metadata is there, and stops at the first chunk that is missing or refused. A refused entry is deleted, so
-a later save writes it again.
+The prompt is cut into chunks of `chunk_tokens` (256, as LMCache); a partial last chunk is not stored. Every entry
+is two store values, `<key>:meta` (JSON, `codec`) and `<key>:kv` (safetensors), checked against each other on read;
+an entry that fails a check is refused (a miss, with a warning) and deleted, so a later save writes it again.
 
-Two levels:
-- `save` / `load` take and return per-layer `(keys, values)`, each (1, H_kv, T, D), as the model computes them;
-  every chunk is checked against the fingerprint's layout and dtype. This is the full tier.
-- `save_chunks` / `load_chunks` take and return any named tensors per chunk (`dict[str, Tensor]`), checked only
-  against their own metadata. The draft tier stores a compressor's state through these: its fingerprint carries the
-  compressor's name and settings, so a different compressor never matches.
+- The full tier (`save` / `load` / `iter_layers`, per-layer `(keys, values)` each (1, H_kv, T, D)) is stored one
+  entry per chunk and layer, `full@<chunk hash>/<layer>`, so that a loader reads it layer by layer, one round trip a
+  layer, and a verify pass can start on the first layers while the last ones are still on their way (vLLM's
+  `wait_for_layer_load`).
+- A draft tier (`save_state` / `load_state`, any named tensors) is one entry for a whole prefix, under the key of
+  its last chunk: a compressor's state depends on every token it saw, so it is stored for exactly that prefix. Its
+  fingerprint carries the compressor's name and settings, so a different compressor never matches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,24 +47,21 @@ class PrefixCache:
     def chunk_keys(
         self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str = "full"
     ) -> list[str]:
-        """The store key (without `:meta` / `:kv`) of every full chunk of `token_ids`."""
+        """The key of every full chunk of `token_ids` (a full-tier entry adds `/<layer>`; `:meta`/`:kv` follow)."""
         _check_fingerprint(fingerprint)
         return [tier_key(tier, h) for h in chunk_hashes(token_ids, self.chunk_tokens, fingerprint)]
 
-    def probe(self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str = "full") -> int:
-        """How many leading tokens the store has metadata for: cheap (no tensor bytes move), not a promise."""
-        found = self.store.exists_many([k + ":meta" for k in self.chunk_keys(token_ids, fingerprint, tier)])
-        return _leading(found) * self.chunk_tokens
+    def layer_keys(self, token_ids: torch.Tensor, fingerprint: KVFingerprint, layer: int) -> list[str]:
+        """The full-tier entry of every full chunk of `token_ids` for one layer."""
+        return [f"{base}/{layer}" for base in self.chunk_keys(token_ids, fingerprint)]
 
-    def save_chunks(
-        self,
-        token_ids: torch.Tensor,
-        chunks: Sequence[dict[str, torch.Tensor]],
-        fingerprint: KVFingerprint,
-        tier: str = "full",
-    ) -> int:
-        """Store `chunks[i]` (any named tensors) for full chunk i of `token_ids`; the number of chunks written."""
-        return self._save(token_ids, fingerprint, tier, len(chunks), lambda i: chunks[i])
+    def probe(self, token_ids: torch.Tensor, fingerprint: KVFingerprint) -> int:
+        """How many leading tokens the full tier has every layer of, by metadata alone: cheap (no tensor bytes
+        move), not a promise."""
+        last = self.layer_keys(
+            token_ids, fingerprint, fingerprint.num_layers - 1
+        )  # a chunk's last entry written
+        return _leading(self.store.exists_many([key + ":meta" for key in last])) * self.chunk_tokens
 
     def save(
         self,
@@ -75,110 +71,77 @@ class PrefixCache:
         tier: str = "full",
     ) -> int:
         """Store every full chunk of the prompt's KV (`per_layer_kv[i] = (keys, values)`, each (1, H_kv, T, D) with
-        T >= len(token_ids)); chunks already stored are skipped. The number of chunks written."""
+        T >= len(token_ids)); entries already stored are skipped. The number of chunks written to."""
+        if check_tier(tier) != "full":
+            raise ValueError("save stores the full tier; a draft tier is stored with save_state")
         count = token_ids_1d(token_ids).numel() // self.chunk_tokens
         _check_kv(per_layer_kv, fingerprint, count * self.chunk_tokens)
-
-        def chunk(i: int) -> dict[str, torch.Tensor]:
+        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)[:count]
+        layers = range(fingerprint.num_layers)
+        names = [[f"{chunk_hash}/{layer}" for layer in layers] for chunk_hash in hashes]
+        stored = self.store.exists_many([f"full@{name}:meta" for row in names for name in row])
+        written = 0
+        for i, row in enumerate(names):
             span = slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)
-            named = {}
-            for layer, (keys, values) in enumerate(per_layer_kv):
-                named[f"layer.{layer}.keys"] = keys[:, :, span]
-                named[f"layer.{layer}.values"] = values[:, :, span]
-            return named
-
-        return self._save(token_ids, fingerprint, tier, count, chunk)
-
-    def _save(
-        self,
-        token_ids: torch.Tensor,
-        fingerprint: KVFingerprint,
-        tier: str,
-        count: int,
-        chunk: Callable[[int], dict[str, torch.Tensor]],
-    ) -> int:
-        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
-        check_tier(tier)
-        if count > len(hashes):
-            raise ValueError(
-                f"got {count} chunks but token_ids has only {len(hashes)} full chunks of {self.chunk_tokens} tokens"
-            )
-        bases = [tier_key(tier, h) for h in hashes[:count]]
-        present = self.store.exists_many([base + ":meta" for base in bases])
-        items: list[tuple[str, bytes]] = []
-        for i in (i for i in range(count) if not present[i]):
-            meta, payload = encode_chunk(chunk(i), fingerprint, tier, hashes[i], self.chunk_tokens)
-            items += [(bases[i] + ":kv", payload), (bases[i] + ":meta", meta)]  # bytes first, metadata last
-        self.store.put_many(items)
-        return len(items) // 2
-
-    def iter_chunks(
-        self,
-        token_ids: torch.Tensor,
-        fingerprint: KVFingerprint,
-        tier: str = "full",
-        limit: int | None = None,
-    ) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
-        """(named tensors, bytes read) of each chunk in order, one round trip each, stopping at the first chunk
-        that is missing or refused (or after `limit` chunks): a loader can use each chunk as it arrives."""
-        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)[:limit]
-        for chunk_hash in hashes:
-            base = tier_key(tier, chunk_hash)
-            meta, payload = self.store.get_many([base + ":meta", base + ":kv"])
-            if meta is None or payload is None:  # absent, or evicted between writes: a plain miss
-                return
-            tensors = decode_chunk(base, meta, payload, fingerprint, tier, chunk_hash, self.chunk_tokens)
-            if tensors is None:
-                self._drop(base)
-                return
-            yield tensors, len(payload)
-
-    def load_chunks(
-        self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str = "full"
-    ) -> list[dict[str, torch.Tensor]]:
-        """The named tensors of the longest leading run of chunks that are stored and pass every check."""
-        return [tensors for tensors, _ in self.iter_chunks(token_ids, fingerprint, tier)]
+            items: list[tuple[str, bytes]] = []
+            for layer, name in enumerate(row):
+                if stored[i * len(layers) + layer]:
+                    continue
+                keys, values = per_layer_kv[layer]
+                tensors = {"keys": keys[:, :, span], "values": values[:, :, span]}
+                meta, payload = encode_chunk(tensors, fingerprint, "full", name, self.chunk_tokens)
+                items += [(f"full@{name}:kv", payload), (f"full@{name}:meta", meta)]  # bytes first, meta last
+            if items:
+                self.store.put_many(items)
+                written += 1
+        return written
 
     def iter_layers(
-        self, token_ids: torch.Tensor, fingerprint: KVFingerprint, limit: int | None = None
-    ) -> Iterator[tuple[list[LayerKV], int]]:
-        """Per chunk, (per-layer (keys, values) each (1, H_kv, chunk_tokens, D), bytes read) of the full tier, in
-        order, stopping at the first chunk that is missing or refused (a wrong layout is refused too)."""
+        self, token_ids: torch.Tensor, fingerprint: KVFingerprint
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        """Layer by layer, one round trip each: (layer, keys, values, bytes read) of the leading run of chunks that
+        are stored and pass every check, keys/values (1, H_kv, run, D). Layer 0 sets the run; a later layer whose
+        run is shorter is yielded shorter (the caller keeps the common part); an empty one ends the iteration."""
         _check_fingerprint(fingerprint)
         expected = (1, fingerprint.num_kv_heads, self.chunk_tokens, fingerprint.head_dim)
-        bases = self.chunk_keys(token_ids, fingerprint)
-        chunks = self.iter_chunks(token_ids, fingerprint, "full", limit)
-        for base, (tensors, nbytes) in zip(bases, chunks, strict=False):
-            reason = _layout_mismatch(tensors, fingerprint.num_layers, expected, fingerprint.dtype)
-            if reason:
-                refuse(base, reason)
-                self._drop(base)
+        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
+        for layer in range(fingerprint.num_layers):
+            names = [f"{chunk_hash}/{layer}" for chunk_hash in hashes]
+            found = self.store.get_many([f"full@{name}:{part}" for name in names for part in ("meta", "kv")])
+            run: list[dict[str, torch.Tensor]] = []
+            nbytes = 0
+            for name, meta, payload in zip(names, found[::2], found[1::2], strict=True):
+                tensors = self._decode(
+                    f"full@{name}", meta, payload, fingerprint, "full", name, self.chunk_tokens
+                )
+                reason = "" if tensors is None else _layout_mismatch(tensors, expected, fingerprint.dtype)
+                if reason:
+                    refuse(f"full@{name}", reason)
+                    self._drop(f"full@{name}")
+                if tensors is None or reason:
+                    break
+                run.append(tensors)
+                nbytes += len(payload)
+            if not run:
                 return
-            layers = range(fingerprint.num_layers)
-            yield [(tensors[f"layer.{i}.keys"], tensors[f"layer.{i}.values"]) for i in layers], nbytes
+            hashes = hashes[: len(run)]
+            keys = torch.cat([t["keys"] for t in run], dim=2)
+            yield layer, keys, torch.cat([t["values"] for t in run], dim=2), nbytes
 
     def load(
-        self,
-        token_ids: torch.Tensor,
-        fingerprint: KVFingerprint,
-        tier: str = "full",
-        num_layers: int | None = None,
+        self, token_ids: torch.Tensor, fingerprint: KVFingerprint, num_layers: int | None = None
     ) -> tuple[int, list[LayerKV] | None]:
         """(hit tokens, per-layer (keys, values) each (1, H_kv, hit, D)) for the longest leading hit, or (0, None)."""
         _check_fingerprint(fingerprint)
-        check_tier(tier)
         if num_layers is not None and num_layers != fingerprint.num_layers:
             raise ValueError(
                 f"num_layers={num_layers} disagrees with the fingerprint's {fingerprint.num_layers}"
             )
-        chunks = [layers for layers, _ in self.iter_layers(token_ids, fingerprint)]
-        if not chunks:
+        layers = [(keys, values) for _, keys, values, _ in self.iter_layers(token_ids, fingerprint)]
+        if len(layers) < fingerprint.num_layers:
             return 0, None
-        joined = [
-            (torch.cat([c[i][0] for c in chunks], dim=2), torch.cat([c[i][1] for c in chunks], dim=2))
-            for i in range(fingerprint.num_layers)
-        ]
-        return len(chunks) * self.chunk_tokens, joined
+        hit = min(keys.shape[2] for keys, _ in layers)
+        return hit, [(keys[:, :, :hit], values[:, :, :hit]) for keys, values in layers]
 
     def save_state(
         self, token_ids: torch.Tensor, tensors: dict[str, torch.Tensor], fingerprint: KVFingerprint, tier: str
@@ -202,13 +165,17 @@ class PrefixCache:
         chunk_hash = chunk_hashes(ids, self.chunk_tokens, fingerprint)[-1]
         base = tier_key(tier, chunk_hash)
         meta, payload = self.store.get_many([base + ":meta", base + ":kv"])
+        tensors = self._decode(base, meta, payload, fingerprint, tier, chunk_hash, ids.numel())
+        return None if tensors is None else (tensors, len(payload))
+
+    def _decode(self, base, meta, payload, fingerprint, tier, name, tokens) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors; None when it is absent (or half written) or refused, and then deleted."""
         if meta is None or payload is None:
             return None
-        tensors = decode_chunk(base, meta, payload, fingerprint, tier, chunk_hash, ids.numel())
+        tensors = decode_chunk(base, meta, payload, fingerprint, tier, name, tokens)
         if tensors is None:
             self._drop(base)
-            return None
-        return tensors, len(payload)
+        return tensors
 
     def _whole_chunks(self, token_ids: torch.Tensor) -> torch.Tensor:
         ids = token_ids_1d(token_ids)
@@ -259,10 +226,9 @@ def _check_kv(per_layer_kv: Sequence[LayerKV], fingerprint: KVFingerprint, token
                 )
 
 
-def _layout_mismatch(tensors: dict[str, torch.Tensor], num_layers: int, shape: tuple, dtype: str) -> str:
-    names = {f"layer.{i}.{part}" for i in range(num_layers) for part in ("keys", "values")}
-    if set(tensors) != names:
-        return f"tensor names are not layer.0..{num_layers - 1}.keys/values"
+def _layout_mismatch(tensors: dict[str, torch.Tensor], shape: tuple, dtype: str) -> str:
+    if set(tensors) != {"keys", "values"}:
+        return "tensor names are not keys and values"
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != shape or str(tensor.dtype) != dtype:
             return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"

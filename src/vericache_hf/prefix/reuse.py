@@ -58,8 +58,8 @@ class PrefixReuse:
         self.draft_print = fingerprint_for(model, compressor)
         self._loader: threading.Thread | None = None
         self._cancel = threading.Event()
-        self._loaded = 0  # prefix tokens the loader appended to every layer's full tier
         self._error: BaseException | None = None
+        self._layers_done, self._load_started, self._last_layer_at = 0, 0.0, 0.0
 
     def boundary(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
         """The prefix length to reuse or save: whole chunks, leaving at least one token; 0 when not applicable
@@ -92,8 +92,7 @@ class PrefixReuse:
 
     def _restore(self, cache: VeriCache, prefix_ids: torch.Tensor) -> bool:
         ids = prefix_ids[:1]  # every row holds the same prompt
-        full_keys = self.prefixes.chunk_keys(ids, self.full_print)
-        if not all(self.prefixes.store.exists_many([key + ":meta" for key in full_keys])):
+        if self.prefixes.probe(ids, self.full_print) < ids.shape[-1]:
             return False
         found = self.prefixes.load_state(ids, self.draft_print, "draft")
         if found is None:
@@ -118,7 +117,7 @@ class PrefixReuse:
                 stacklevel=4,
             )
             return False
-        cache.adopt_prefix(drafts, prefix_ids.shape[-1])
+        cache.adopt_prefix(drafts, prefix_ids.shape[-1], self.timeout)
         self.stats.prefix_compressed_bytes += nbytes
         self._loader = threading.Thread(
             target=self._load_full_tier, args=(cache, prefix_ids), name="vericache-prefix-loader", daemon=True
@@ -127,20 +126,36 @@ class PrefixReuse:
         return True
 
     def _load_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
-        """The loader thread: append each full chunk to every layer's host full tier as it arrives."""
+        """The loader thread: append each layer's prefix to its host full tier as it arrives, layer by layer, and
+        tell the cache, so that a verify pass can run behind the load."""
+        self._load_started = time.perf_counter()
+        length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
         try:
-            for chunk, nbytes in self.prefixes.iter_layers(prefix_ids[:1], self.full_print):
+            for layer, keys, values, nbytes in self.prefixes.iter_layers(prefix_ids[:1], self.full_print):
                 if self._cancel.is_set():
                     return
-                rows = prefix_ids.shape[0]
-                for layer, (keys, values) in zip(cache.layers, chunk, strict=True):
-                    keys, values = _rows(keys, rows), _rows(values, rows)
-                    layer.full.reserve(prefix_ids.shape[-1], keys, values)  # one allocation for the prefix
-                    layer.full.append(keys, values)
-                self._loaded += keys.shape[-2]
+                cache.layers[layer].full.append(_rows(keys, rows), _rows(values, rows))
                 self.stats.prefix_full_bytes += nbytes
+                if keys.shape[-2] < length:  # this layer's run is short: the rest is recomputed
+                    return
+                cache.layer_loaded(layer)
+                self._layers_done += 1
+                self._last_layer_at = time.perf_counter()
         except BaseException as error:  # reported by wait_full_tier, on the caller's thread
             self._error = error
+        finally:
+            cache.loading_stopped()
+
+    def keep_drafting(self, verify_seconds: float) -> bool:
+        """Whether drafting should go on while the full prefix loads: until the layers still to come would take
+        about as long to arrive as the verify pass takes (`verify_seconds`, estimated by the loop), so that the
+        pass, which reads each layer as it arrives, ends just after the last one."""
+        if self.full_tier_ready():
+            return False
+        if not self._layers_done:
+            return True
+        per_layer = (self._last_layer_at - self._load_started) / self._layers_done
+        return per_layer * (self.full_print.num_layers - self._layers_done) > verify_seconds
 
     def close(self) -> None:
         """Stop a loader that is still running (decoding ended early, by an error); nothing waits for it."""
@@ -162,16 +177,17 @@ class PrefixReuse:
         self.stats.prefix_wait_seconds += time.perf_counter() - started
         self._loader = None
         length = prefix_ids.shape[-1]
-        if self._loaded < length:
+        loaded = min(layer.full.length for layer in cache.layers)
+        if loaded < length:
             why = f"{type(self._error).__name__}: {self._error}" if self._error else "missing or refused"
             warnings.warn(
-                f"vericache prefix store: {length - self._loaded} of {length} prefix tokens did not load ({why}); "
+                f"vericache prefix store: {length - loaded} of {length} prefix tokens did not load ({why}); "
                 "recomputing them",
                 stacklevel=4,
             )
             self._recompute(cache, prefix_ids)
         cache.full_tier_loaded()
-        self.stats.prefix_tokens_reused += self._loaded
+        self.stats.prefix_tokens_reused += loaded
 
     @torch.no_grad()  # not inference mode: the full tier's buffers must stay writable by later commits
     def _recompute(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
