@@ -31,8 +31,8 @@ from transformers import DynamicCache
 import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf.prefix import DiskStore, PrefixCache, RedisStore, ThrottledStore, fingerprint_for
-from vericache_tools.prompts import code_context, humaneval_problems
 from vericache_tools.embedded import load_embedded_model
+from vericache_tools.prompts import code_context, humaneval_problems
 from vericache_tools.redis_server import running_redis, server_binary
 
 LINKS = {"1": (1e9, 2e-3), "5": (5e9, 0.5e-3), "25": (25e9, 0.2e-3)}  # Gbit/s: (bit/s, latency per request)
@@ -76,7 +76,9 @@ def prompts(tokenizer, prefix_tokens: int, count: int) -> tuple[torch.Tensor, li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefixes", default="2048,4096,7680", help="7680: the 8k cell, room left for the suffix")
+    parser.add_argument(
+        "--prefixes", default="2048,4096,7680", help="7680: the 8k cell, room left for the suffix"
+    )
     parser.add_argument("--gbits", default="1,5,25", help=f"links among {sorted(LINKS)}")
     parser.add_argument("--backends", default="disk,redis")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -96,8 +98,11 @@ def main() -> None:
                 store = stores[backend]
                 config = dict(compressor="snapkv", compression_ratio=0.875, prefix_store=store)
                 vericache_hf.warm_prefix(model, prefix, VeriCacheConfig(**config))
-                for ids in requests:
-                    rows += cell(model, ids, store, prefix_tokens, backend, config, fingerprint, new, args)
+                for index, ids in enumerate(requests):
+                    for result in cell(
+                        model, ids, store, prefix_tokens, backend, config, fingerprint, new, args
+                    ):
+                        rows.append({"request": index, **result})
     report(rows, Path(args.out), args)
 
 
@@ -156,6 +161,11 @@ def row(method, backend, prefix, gbit, ttft, total, same, args, stats: VeriCache
     return out
 
 
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
 def report(rows: list[dict], out: Path, args) -> None:
     import matplotlib
 
@@ -164,47 +174,56 @@ def report(rows: list[dict], out: Path, args) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    lines = [
-        "| backend | prefix | link (Gbit/s) | method | TTFT (s) | end to end (s) | decode tok/s | identical | "
-        "x full-first (end to end) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        base = next(
-            (
-                b
-                for b in rows
-                if b["method"] == "full-first"
-                and (b["backend"], b["prefix"], b["gbit"]) == (r["backend"], r["prefix"], r["gbit"])
-            ),
-            None,
-        )
-        ratio = f"{base['end_to_end_s'] / r['end_to_end_s']:.2f}" if base else "-"
-        lines.append(
-            f"| {r['backend']} | {r['prefix']} | {r['gbit']} | {r['method']} | {r['ttft_s']:.2f} | "
-            f"{r['end_to_end_s']:.2f} | {r['decode_tok_s']:.1f} | {'yes' if r['identical'] else 'NO'} | {ratio} |"
-        )
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     backends = sorted({r["backend"] for r in rows})
     prefixes = sorted({r["prefix"] for r in rows})
+    links = [g for g in args.gbits.split(",")]
+
+    def cell(method, backend, prefix, gbit):
+        return [
+            r
+            for r in rows
+            if (r["method"], r["backend"], r["prefix"], r["gbit"]) == (method, backend, prefix, gbit)
+        ]
+
+    lines = [
+        f"Means over {args.requests} request(s) per cell, {args.new_tokens} new tokens; speedup = full-first / "
+        "compressed-first, per request, then averaged.",
+        "",
+        "| backend | prefix | link (Gbit/s) | recompute e2e (s) | full-first TTFT / e2e (s) | compressed-first TTFT / "
+        "e2e (s) | e2e speedup | TTFT sooner by (s) | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for backend in backends:
+        for prefix in prefixes:
+            recompute = cell("recompute", backend, prefix, "-")
+            for gbit in links:
+                full, fast = (
+                    cell("full-first", backend, prefix, gbit),
+                    cell("compressed-first", backend, prefix, gbit),
+                )
+                speedup = mean(f["end_to_end_s"] / c["end_to_end_s"] for f, c in zip(full, fast, strict=True))
+                sooner = mean(f["ttft_s"] - c["ttft_s"] for f, c in zip(full, fast, strict=True))
+                same = sum(r["identical"] for r in full + fast + recompute)
+                lines.append(
+                    f"| {backend} | {prefix} | {gbit} | {mean(r['end_to_end_s'] for r in recompute):.2f} | "
+                    f"{mean(r['ttft_s'] for r in full):.2f} / {mean(r['end_to_end_s'] for r in full):.2f} | "
+                    f"{mean(r['ttft_s'] for r in fast):.2f} / {mean(r['end_to_end_s'] for r in fast):.2f} | "
+                    f"{speedup:.2f}x | {sooner:+.2f} | {same}/{len(full + fast + recompute)} |"
+                )
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
     figure, axes = plt.subplots(
         len(backends), len(prefixes), figsize=(4 * len(prefixes), 3.2 * len(backends)), squeeze=False
     )
     for i, backend in enumerate(backends):
         for j, prefix in enumerate(prefixes):
             ax = axes[i][j]
-            cell = [r for r in rows if r["backend"] == backend and r["prefix"] == prefix]
-            recompute = next(r["end_to_end_s"] for r in cell if r["method"] == "recompute")
             for method, marker in (("full-first", "o"), ("compressed-first", "s")):
-                points = [r for r in cell if r["method"] == method]
-                ax.plot(
-                    [r["gbit"] for r in points],
-                    [r["end_to_end_s"] for r in points],
-                    marker=marker,
-                    label=method,
-                )
+                ends = [mean(r["end_to_end_s"] for r in cell(method, backend, prefix, g)) for g in links]
+                ax.plot([float(g) for g in links], ends, marker=marker, label=method)
+            recompute = mean(r["end_to_end_s"] for r in cell("recompute", backend, prefix, "-"))
             ax.axhline(recompute, color="grey", linestyle="--", label="recompute")
+            ax.set_xscale("log")
             ax.set_title(f"{backend}, {prefix}-token prefix")
             ax.set_xlabel("link (Gbit/s)")
             ax.set_ylabel(f"end to end, {args.new_tokens} tokens (s)")

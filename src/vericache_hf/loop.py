@@ -189,27 +189,25 @@ def draft(
     k: int,
     io: DecodeIO,
     seqs: Sequences,
-    more: Callable[[float], bool] | None = None,
+    more: Callable[[float, int, int], bool] | None = None,
     most: int = 0,
 ):
-    """k steps on the draft tier (then more, up to `most`, while `more(verify_seconds)` says so: the full tier is
-    still loading), choosing from the processed draft distribution as stock `generate` would; returns (B, k) drafted
-    tokens and, when sampling, their (B, k, V) draft probabilities. `pending` is (B,) tokens, or a (B, s) block
-    whose last position gives the first draft (a prompt's suffix after a stored prefix). `verify_seconds` is what
-    the verify pass over the block and the drafts will take at least: the first pass's time per token, times its
-    width (the full tier's pass does the same work per token, over a longer context)."""
+    """k steps on the draft tier (then more, up to `most`, while `more(first_pass_seconds, width, drafted)` says
+    so: the full tier is still loading), choosing from the processed draft distribution as stock `generate` would;
+    returns (B, k) drafted tokens and, when sampling, their (B, k, V) draft probabilities. `pending` is (B,) tokens,
+    or a (B, s) block whose last position gives the first draft (a prompt's suffix after a stored prefix)."""
     if io.proposer is not None and pending.dim() == 1:
         return draft_with_proposals(model, cache, pending, positions, k, io, seqs)
     block = pending if pending.dim() == 2 else pending[:, None]
     drafts = block.new_empty((block.shape[0], 0))
     probs = [] if io.do_sample else None
-    position, width, per_token = positions, block.shape[-1], 0.0
+    position, width, first_pass = positions, block.shape[-1], 0.0
     while drafts.shape[-1] < k or (
-        more is not None and drafts.shape[-1] < most and more(per_token * (width + drafts.shape[-1]))
+        more is not None and drafts.shape[-1] < most and more(first_pass, width, drafts.shape[-1])
     ):
         started = time.perf_counter()
         logits = forward(model, cache, block, position, keep=1)[:, -1].float()
-        per_token = per_token or (time.perf_counter() - started) / width
+        first_pass = first_pass or time.perf_counter() - started
         position = position + block.shape[-1]
         scores = process(io, seqs, drafts, logits)
         if io.do_sample:

@@ -60,6 +60,15 @@ class PrefixReuse:
         self._cancel = threading.Event()
         self._error: BaseException | None = None
         self._layers_done, self._load_started, self._last_layer_at = 0, 0.0, 0.0
+        self._prefix_tokens = self._draft_tokens = 0
+        text = model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._weights = sum(
+            p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
+        )
+        self._attention = (
+            2 * text.num_hidden_layers * text.num_attention_heads * head_dim
+        )  # scores and values
 
     def boundary(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
         """The prefix length to reuse or save: whole chunks, leaving at least one token; 0 when not applicable
@@ -118,6 +127,7 @@ class PrefixReuse:
             )
             return False
         cache.adopt_prefix(drafts, prefix_ids.shape[-1], self.timeout)
+        self._prefix_tokens, self._draft_tokens = prefix_ids.shape[-1], drafts[0].num_committed
         self.stats.prefix_compressed_bytes += nbytes
         self._loader = threading.Thread(
             target=self._load_full_tier, args=(cache, prefix_ids), name="vericache-prefix-loader", daemon=True
@@ -146,16 +156,25 @@ class PrefixReuse:
         finally:
             cache.loading_stopped()
 
-    def keep_drafting(self, verify_seconds: float) -> bool:
+    def keep_drafting(self, first_pass_seconds: float, width: int, drafted: int) -> bool:
         """Whether drafting should go on while the full prefix loads: until the layers still to come would take
-        about as long to arrive as the verify pass takes (`verify_seconds`, estimated by the loop), so that the
-        pass, which reads each layer as it arrives, ends just after the last one."""
+        about as long to arrive as the verify pass takes, so that the pass, which reads each layer as it arrives,
+        ends just after the last one. The pass's time is the draft tier's first pass (over the `width` suffix
+        tokens) scaled by the work of each: weights per token, attention per token and context."""
         if self.full_tier_ready():
             return False
         if not self._layers_done:
             return True
         per_layer = (self._last_layer_at - self._load_started) / self._layers_done
-        return per_layer * (self.full_print.num_layers - self._layers_done) > verify_seconds
+        remaining = per_layer * (self.full_print.num_layers - self._layers_done)
+        verify = first_pass_seconds * (
+            self._work(width + drafted, self._prefix_tokens) / self._work(width, self._draft_tokens)
+        )
+        return remaining > verify
+
+    def _work(self, width: int, context: int) -> float:
+        """Multiply-adds of a pass of `width` tokens after `context` cached ones: weights, then attention."""
+        return width * (self._weights + self._attention * (context + width / 2))
 
     def close(self) -> None:
         """Stop a loader that is still running (decoding ended early, by an error); nothing waits for it."""
