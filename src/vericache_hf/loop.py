@@ -380,12 +380,16 @@ def decode(
         k = max(0, min(schedule.current, room - 1))
         suffix = pending.dim() == 2  # the first round after a stored or separately prefilled prefix
         loading = suffix and not reuse.full_tier_ready()
+        if (
+            suffix
+        ):  # drafts come only from the time the full prefix takes to load: the first token comes first
+            k = 0
 
         started = time.perf_counter()
         # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
         plain_proposals = not k and io.proposer is not None and not suffix
         offered = propose_to_full_tier(io, seqs, pending) if plain_proposals else None
-        most = max(k, min(schedule.high, room - 1)) if loading else k  # draft on while the full prefix loads
+        most = min(schedule.high, room - 1) if loading else k  # draft on while the full prefix loads
         with cache.drafting(
             most if offered is None else offered[0].shape[-1]
         ):  # the full tier streams in meanwhile
