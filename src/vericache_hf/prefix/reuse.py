@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -32,6 +33,9 @@ from .store import PrefixStore
 from .writer import write_behind
 
 __all__ = ["PrefixReuse"]
+
+#: Seconds per unit of pass work, last measured on each model: how a call decides before its first pass.
+_SECONDS_PER_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class PrefixReuse:
@@ -61,6 +65,7 @@ class PrefixReuse:
         self._error: BaseException | None = None
         self._layers_done, self._load_started, self._last_layer_at = 0, 0.0, 0.0
         self._prefix_tokens = self._draft_tokens = 0
+        self._bytes_per_second = 1.0
         text = model.config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._weights = sum(
@@ -103,10 +108,12 @@ class PrefixReuse:
         ids = prefix_ids[:1]  # every row holds the same prompt
         if self.prefixes.probe(ids, self.full_print) < ids.shape[-1]:
             return False
+        started = time.perf_counter()
         found = self.prefixes.load_state(ids, self.draft_print, "draft")
         if found is None:
             return False
         state, nbytes = found
+        self._bytes_per_second = nbytes / max(time.perf_counter() - started, 1e-6)  # the link, as measured
         device, rows = self.model.get_input_embeddings().weight.device, prefix_ids.shape[0]
         try:
             drafts = [
@@ -126,7 +133,8 @@ class PrefixReuse:
                 stacklevel=4,
             )
             return False
-        cache.adopt_prefix(drafts, prefix_ids.shape[-1], self.timeout)
+        like = torch.empty(0, dtype=self.model.dtype, device=device)
+        cache.adopt_prefix(drafts, prefix_ids.shape[-1], like, self.timeout)
         self._prefix_tokens, self._draft_tokens = prefix_ids.shape[-1], drafts[0].num_committed
         self.stats.prefix_compressed_bytes += nbytes
         self._loader = threading.Thread(
@@ -157,20 +165,36 @@ class PrefixReuse:
             cache.loading_stopped()
 
     def keep_drafting(self, first_pass_seconds: float, width: int, drafted: int) -> bool:
-        """Whether drafting should go on while the full prefix loads: until the layers still to come would take
-        about as long to arrive as the verify pass takes, so that the pass, which reads each layer as it arrives,
-        ends just after the last one. The pass's time is the draft tier's first pass (over the `width` suffix
-        tokens) scaled by the work of each: weights per token, attention per token and context."""
+        """Whether to draft (on) while the full prefix loads: while the layers still to come take longer to arrive
+        than the next pass and the verify pass will take, so that the verify pass, which reads each layer as it
+        arrives, ends just after the last one and the first token is never later for drafting.
+
+        Times are measured and scaled by the work of each pass (weights per token, attention per token and
+        context): a pass's time from the draft tier's first pass over the `width` suffix tokens, or before that
+        from the last call on this model; the load's from the layers that arrived, or before that from the link
+        speed the compressed fetch saw."""
         if self.full_tier_ready():
             return False
-        if not self._layers_done:
+        per_work = first_pass_seconds / self._work(width, self._draft_tokens) if first_pass_seconds else None
+        if per_work is not None:
+            _SECONDS_PER_WORK[self.model] = per_work  # the prior for the next call's first decision
+        per_work = per_work or _SECONDS_PER_WORK.get(self.model)
+        if per_work is None:  # nothing measured yet on this model: draft, and measure
             return True
-        per_layer = (self._last_layer_at - self._load_started) / self._layers_done
-        remaining = per_layer * (self.full_print.num_layers - self._layers_done)
-        verify = first_pass_seconds * (
-            self._work(width + drafted, self._prefix_tokens) / self._work(width, self._draft_tokens)
-        )
-        return remaining > verify
+        now = time.perf_counter()
+        if self._layers_done:
+            per_layer = (self._last_layer_at - self._load_started) / self._layers_done
+            remaining = per_layer * (self.full_print.num_layers - self._layers_done)
+        else:
+            remaining = self._full_bytes() / self._bytes_per_second - (now - self._load_started)
+        verify = per_work * self._work(width + drafted, self._prefix_tokens)
+        next_pass = 0.0 if drafted else per_work * self._work(width, self._draft_tokens)
+        return remaining > next_pass + verify
+
+    def _full_bytes(self) -> int:
+        fp = self.full_print
+        element = torch.empty((), dtype=getattr(torch, fp.dtype.removeprefix("torch."))).element_size()
+        return self._prefix_tokens * fp.num_layers * 2 * fp.num_kv_heads * fp.head_dim * element
 
     def _work(self, width: int, context: int) -> float:
         """Multiply-adds of a pass of `width` tokens after `context` cached ones: weights, then attention."""
