@@ -29,15 +29,10 @@ def chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(chi2_contingency(table.numpy()).pvalue)
 
 
-def test_sampled_tokens_are_distributed_as_stock(small):
-    ids = random_prompt(PROMPT, seed=11)
-    # a heavily compressed draft tier on a short prompt: drafts differ from the verifier often enough that the
-    # accept/resample rule decides the distribution
-    config = VeriCacheConfig(
-        compressor="streaming_llm", compression_ratio=0.9, draft_length=3, draft_schedule="fixed"
-    )
+def sample_both(model, ids: torch.Tensor, config: VeriCacheConfig):
+    """SAMPLES continuations of `ids` by VeriCache (a dict output, with stats) and by stock sampling."""
     torch.manual_seed(1234)
-    out = small.generate(
+    out = model.generate(
         ids,
         max_new_tokens=NEW_TOKENS,
         num_return_sequences=SAMPLES,
@@ -46,13 +41,30 @@ def test_sampled_tokens_are_distributed_as_stock(small):
         return_dict_in_generate=True,
         **SAMPLING,
     )
-    stock = small.generate(ids, max_new_tokens=NEW_TOKENS, num_return_sequences=SAMPLES, **SAMPLING)
-    stats = out.vericache_stats
-    assert out.sequences.shape == stock.shape == (SAMPLES, PROMPT + NEW_TOKENS)
-    assert 0.2 < stats.acceptance_rate < 0.95, "the test needs both accepted and rejected drafts"
-    for position in range(PROMPT, PROMPT + NEW_TOKENS):
-        p_value = chi_square_p(out.sequences[:, position], stock[:, position])
+    stock = model.generate(ids, max_new_tokens=NEW_TOKENS, num_return_sequences=SAMPLES, **SAMPLING)
+    assert out.sequences.shape == stock.shape == (SAMPLES, ids.shape[-1] + NEW_TOKENS)
+    return out, stock
+
+
+def assert_same_distribution(sequences: torch.Tensor, stock: torch.Tensor, prompt: int) -> None:
+    """Every new position passes the chi-square homogeneity test against stock's samples."""
+    for position in range(prompt, prompt + NEW_TOKENS):
+        p_value = chi_square_p(sequences[:, position], stock[:, position])
         assert p_value > ALPHA / NEW_TOKENS, (position, p_value)
+
+
+def test_sampled_tokens_are_distributed_as_stock(small):
+    ids = random_prompt(PROMPT, seed=11)
+    # a heavily compressed draft tier on a short prompt: drafts differ from the verifier often enough that the
+    # accept/resample rule decides the distribution
+    config = VeriCacheConfig(
+        compressor="streaming_llm", compression_ratio=0.9, draft_length=3, draft_schedule="fixed"
+    )
+    out, stock = sample_both(small, ids, config)
+    assert 0.2 < out.vericache_stats.acceptance_rate < 0.95, (
+        "the test needs both accepted and rejected drafts"
+    )
+    assert_same_distribution(out.sequences, stock, PROMPT)
 
 
 def test_speculative_rule_recovers_the_target_distribution():

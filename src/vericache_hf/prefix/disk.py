@@ -70,7 +70,10 @@ class DiskStore(PrefixStore):
         return self._file(key).is_file()
 
     def delete(self, key: str) -> None:
-        self._file(key).unlink(missing_ok=True)
+        try:
+            self._file(key).unlink(missing_ok=True)
+        except OSError as error:
+            warnings.warn(f"vericache DiskStore: deleting {key!r} failed ({error})", stacklevel=2)
 
     def put(self, key: str, value: bytes) -> None:
         self.put_many([(key, value)])
