@@ -14,6 +14,7 @@ from transformers import StoppingCriteria
 
 import vericache_hf
 from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, generate_batch
+from vericache_hf.admission import MemoryBudget, footprint, parse_bytes
 
 from .conftest import VOCAB, random_prompt, tiny_model
 from .test_sampling import NEW_TOKENS, PROMPT, SAMPLING, chi_square_p
@@ -225,3 +226,58 @@ def test_a_thousand_short_requests_leave_no_memory_behind(small):
         assert not engine._requests
     print(f"resident memory grew by {grown:.1f} MiB over 900 requests")
     assert grown < 16, f"resident memory grew by {grown:.1f} MiB over 900 requests"
+
+
+def test_device_memory_budget_admits_what_fits_and_stays_exact(served):
+    inputs = prompts(6, seed=40)
+    need = max(footprint(served, CONFIG, len(p), 20).device_bytes for p in inputs)
+    budget = int(2.5 * need)  # two requests at a time, never three
+    engine = VeriCacheEngine(served, CONFIG, max_concurrent=4, device_memory_budget=budget, do_sample=False)
+    with engine:
+        ids = engine.add_requests(inputs, max_new_tokens=20)
+        results = [engine.get_result(request_id, timeout=120) for request_id in ids]
+    for out, prompt in zip(results, inputs, strict=True):
+        assert out.status == RequestStatus.FINISHED
+        assert out.generated_tokens == stock(served, prompt, 20)
+    stats = engine.memory_stats()
+    assert 1 <= stats["peak_running"] <= 2
+    assert stats["peak_in_use_bytes"] <= budget
+    assert no_engine_thread_left()
+
+
+def test_a_budget_holds_more_vericache_requests_than_full_kv_ones(served):
+    """At 4000 prompt tokens and a quarter kept, the draft tier is about a quarter of the full KV."""
+    need = footprint(served, CONFIG, 4000, 100)
+    assert 3 * need.device_bytes < need.full_kv_bytes
+    staged = footprint(served, CONFIG, 4000, 100, on_device=True)  # an accelerator adds the staging buffers
+    assert staged.device_bytes > need.device_bytes
+    budget = MemoryBudget(10 * need.full_kv_bytes)
+    assert budget.admit(need, threading.Event())
+    stats = budget.stats()
+    assert stats["full_kv_capacity"] == 10 and stats["vericache_capacity"] > 30
+
+
+def test_memory_budget_errors_name_the_fix(served):
+    with pytest.raises(ValueError, match="device_memory_budget is"):
+        VeriCacheEngine(served, CONFIG, device_memory_budget="1KiB").add_request(
+            prompts(1)[0], max_new_tokens=20
+        )
+    for bad in ("forty", "-1GiB", "3 parsecs", 0):
+        with pytest.raises(ValueError, match="memory budget must be"):
+            VeriCacheEngine(served, CONFIG, device_memory_budget=bad if bad != 0 else -1)
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("512 MiB") == 512 * 2**20 and parse_bytes(4096) == 4096
+
+
+def test_model_generate_batch_routes_to_the_engine(served):
+    inputs = prompts(3, seed=60)
+    results = served.generate_batch(
+        inputs, generation_mode="vericache", vericache_config=CONFIG, max_new_tokens=16, do_sample=False
+    )
+    assert list(results) == ["req_0", "req_1", "req_2"]
+    for out, prompt in zip(results.values(), inputs, strict=True):
+        assert out.generated_tokens == stock(served, prompt, 16)
+    with pytest.raises(TypeError, match="by keyword"):
+        served.generate_batch(inputs, None, None, generation_mode="vericache")
+    with pytest.raises(ValueError, match="Unknown generation_mode"):
+        served.generate_batch(inputs, generation_mode="lookahead")

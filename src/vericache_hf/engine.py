@@ -23,7 +23,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from .admission import Footprint, MemoryBudget, footprint, parse_bytes
 from .checks import check_int
+from .config import VeriCacheConfig
 
 __all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
 
@@ -39,6 +41,7 @@ class _Request:
         self.cancelled = threading.Event()
         self.changed = threading.Condition()
         self.prompt_streamed = False
+        self.footprint: Footprint | None = None  # device bytes it holds, when the engine has a budget
 
     # The streamer protocol `generate` drives: the prompt first, then each new token.
     def put(self, value: torch.Tensor) -> None:
@@ -86,9 +89,17 @@ class VeriCacheEngine:
     takes per-request ones on top. Use it as a context manager, or call `start()` and `stop()`.
     """
 
-    def __init__(self, model, vericache_config=None, max_concurrent: int = 2, **generate_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model,
+        vericache_config=None,
+        max_concurrent: int = 2,
+        device_memory_budget: int | str | None = None,
+        **generate_kwargs: Any,
+    ) -> None:
         check_int("max_concurrent", max_concurrent)
         self.model = model
+        self._budget = MemoryBudget(parse_bytes(device_memory_budget)) if device_memory_budget else None
         self.generate_kwargs = {"vericache_config": vericache_config, **generate_kwargs}
         self.max_concurrent = max_concurrent
         self._requests: dict[str, _Request] = {}
@@ -156,6 +167,9 @@ class VeriCacheEngine:
         if max_new_tokens is not None:
             check_int("max_new_tokens", max_new_tokens)
             kwargs["max_new_tokens"] = max_new_tokens
+        need = self._footprint(len(prompt), kwargs) if self._budget is not None else None
+        if need is not None:
+            self._budget.check(need)
         with self._lock:
             if self._state == "stopped":
                 raise RuntimeError(
@@ -165,6 +179,7 @@ class VeriCacheEngine:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use; pass another or none.")
             request = self._requests[request_id] = _Request(request_id, prompt, kwargs)
+            request.footprint = need
         self.start()
         self._pending.put(request)
         return request_id
@@ -173,6 +188,18 @@ class VeriCacheEngine:
         self, inputs: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int | None = None, **kwargs: Any
     ) -> list[str]:
         return [self.add_request(ids, max_new_tokens=max_new_tokens, **kwargs) for ids in inputs]
+
+    def _footprint(self, prompt_tokens: int, kwargs: dict[str, Any]) -> Footprint:
+        config = kwargs.get("generation_config") or self.model.generation_config
+        new = kwargs.get("max_new_tokens") or config.max_new_tokens
+        new = new if new is not None else max(1, config.max_length - prompt_tokens)
+        vericache = kwargs.get("vericache_config") or getattr(config, "vericache_config", None)
+        return footprint(self.model, VeriCacheConfig.from_any(vericache), prompt_tokens, new)
+
+    def memory_stats(self) -> dict[str, float]:
+        """The device-memory budget, its peaks, and how many requests of the admitted ones' mean size it holds,
+        VeriCache against full KV on the device (empty without a budget)."""
+        return self._budget.stats() if self._budget is not None else {}
 
     def cancel(self, request_id: str) -> None:
         """End a request at its next round (or before it starts); its result says it was cancelled."""
@@ -255,6 +282,9 @@ class VeriCacheEngine:
         kwargs = dict(request.generate_kwargs)
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(_Cancelled(request))
+        if self._budget is not None and not self._budget.admit(request.footprint, request.cancelled):
+            request.finish(RequestStatus.FAILED, "cancelled while waiting for device memory")
+            return
         with request.changed:
             request.output.status = RequestStatus.PREFILLING
         try:
@@ -265,6 +295,9 @@ class VeriCacheEngine:
         except Exception as error:  # noqa: BLE001 - a failing request fails alone, its error in its result
             request.finish(RequestStatus.FAILED, f"{type(error).__name__}: {error}")
             return
+        finally:
+            if self._budget is not None:
+                self._budget.release(request.footprint)
         if request.cancelled.is_set():
             request.finish(RequestStatus.FAILED, "cancelled")
         else:
@@ -293,10 +326,12 @@ def generate_batch(
     max_new_tokens: int | None = None,
     vericache_config=None,
     max_concurrent: int = 2,
+    device_memory_budget: int | str | None = None,
     **generate_kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Serve `inputs` to the end, as `model.generate_batch` does: outputs keyed `req_0`, `req_1`, ... in input
     order. Each request's greedy output equals stock `generate` of that prompt alone."""
-    with VeriCacheEngine(model, vericache_config, max_concurrent, **generate_kwargs) as engine:
+    engine = VeriCacheEngine(model, vericache_config, max_concurrent, device_memory_budget, **generate_kwargs)
+    with engine:
         ids = engine.add_requests(inputs, max_new_tokens=max_new_tokens)
         return {request_id: engine.get_result(request_id) for request_id in ids}

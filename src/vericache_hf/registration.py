@@ -3,7 +3,8 @@
 Transformers has no registry of decoding modes, so `import vericache_hf` wraps `GenerationMixin.generate` once:
 a call with `generation_mode="vericache"` (a kwarg, or an attribute of the call's or the model's
 `generation_config`, so it is saved with the model) is routed to `vericache_hf.generate` through transformers' own
-`custom_generate` path; every other call reaches stock `generate` untouched.
+`custom_generate` path; every other call reaches stock `generate` untouched. `generate_batch` (transformers'
+continuous batching) is wrapped the same way and routed to `vericache_hf.generate_batch`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ MODE = "vericache"
 #: wrapper keeps a reload from wrapping the wrapper (which would recurse forever).
 STOCK_ATTRIBUTE = "__wrapped_stock__"
 _stock_generate = getattr(GenerationMixin.generate, STOCK_ATTRIBUTE, GenerationMixin.generate)
+_stock_generate_batch = getattr(
+    GenerationMixin.generate_batch, STOCK_ATTRIBUTE, GenerationMixin.generate_batch
+)
 
 
 def _take_stop_strings(model, kwargs: dict) -> None:
@@ -85,6 +89,42 @@ def generate_with_modes(self, *args, generation_mode: str | None = None, **kwarg
 
 setattr(generate_with_modes, STOCK_ATTRIBUTE, _stock_generate)
 
+#: transformers' continuous-batching settings that the VeriCache engine has no use for (it keeps no paged cache,
+#: captures no graphs and always records timestamps).
+_BATCHING_ONLY = (
+    "continuous_batching_config",
+    "record_timestamps",
+    "progress_bar",
+    "persistent_manager",
+    "warmup",
+)
+
+
+@functools.wraps(_stock_generate_batch)
+def generate_batch_with_modes(
+    self, inputs, generation_config=None, *args, generation_mode: str | None = None, **kwargs
+):
+    generation_mode = requested_mode(self, generation_mode, {"generation_config": generation_config})
+    if generation_mode is None:
+        return _stock_generate_batch(self, inputs, generation_config, *args, **kwargs)
+    if generation_mode != MODE:
+        raise ValueError(f"Unknown generation_mode={generation_mode!r}; vericache_hf adds {MODE!r}.")
+    if args:
+        raise TypeError(
+            "with generation_mode='vericache', pass generate_batch's settings by keyword (continuous_batching_config "
+            "and the like are transformers' paged-cache settings, which the VeriCache engine does not use)."
+        )
+    from .engine import generate_batch
+
+    for name in _BATCHING_ONLY:
+        kwargs.pop(name, None)
+    if generation_config is not None:
+        kwargs["generation_config"] = generation_config
+    return generate_batch(self, inputs, **kwargs)
+
+
+setattr(generate_batch_with_modes, STOCK_ATTRIBUTE, _stock_generate_batch)
+
 
 def set_default_mode(model, vericache_config=None) -> None:
     """Make VeriCache the model's default decoding, saved by `save_pretrained` with its generation config.
@@ -104,3 +144,5 @@ def register() -> None:
     module: the wrapper then replaces the old one, both wrapping the same stock `generate`)."""
     if GenerationMixin.generate is not generate_with_modes:
         GenerationMixin.generate = generate_with_modes
+    if GenerationMixin.generate_batch is not generate_batch_with_modes:
+        GenerationMixin.generate_batch = generate_batch_with_modes

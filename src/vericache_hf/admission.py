@@ -1,0 +1,136 @@
+"""Admission by device memory: what one request holds on the device, and the budget that admits requests by it.
+
+A VeriCache request keeps its draft tier on the device and its full tier in host memory; only `staging_buffers`
+layers of the full tier visit the device at once (none where layers read it in place, on the CPU). So a budget
+that would hold a few requests with the full KV on the device holds many more VeriCache requests, which is where
+serving throughput comes from. The counts here are physical: a quantizing compressor's draft tier is held
+dequantized, so it counts at full size (only token dropping shrinks what the device holds).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .compressors import build_compressor
+from .config import VeriCacheConfig
+
+__all__ = ["Footprint", "MemoryBudget", "footprint", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """Bytes from an int or a string such as "40GiB", "512 MiB" or "1.5GB"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"a memory budget must be a positive number of bytes or a string such as '40GiB' or '512MB', "
+            f"got {value!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A request's device bytes under VeriCache (draft tier plus staging buffers) and with its full KV on the device."""
+
+    device_bytes: int
+    full_kv_bytes: int
+
+
+def _kept_tokens(compressor, tokens: int) -> int:
+    """Prompt tokens the draft tier physically keeps: token-dropping stages shrink it, quantizers do not."""
+    for stage in getattr(compressor, "stages", [compressor]):
+        if hasattr(stage, "kept_tokens"):
+            tokens = stage.kept_tokens(tokens)
+    return tokens
+
+
+def footprint(
+    model, config: VeriCacheConfig, prompt_tokens: int, max_new_tokens: int, on_device: bool | None = None
+) -> Footprint:
+    """What one request of `prompt_tokens` that may generate `max_new_tokens` holds at most. `on_device`: whether
+    the full tier is staged to the device (default: the model is not on the CPU, or `stage_on_cpu`)."""
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    per_layer_token = 2 * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+    layers = text.num_hidden_layers
+    if on_device is None:
+        on_device = model.device.type != "cpu" or config.stage_on_cpu
+    compressor = build_compressor(
+        config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
+    )
+    grown = max_new_tokens + config.max_draft_length  # committed tokens, and one round's drafts
+    draft = layers * per_layer_token * (_kept_tokens(compressor, prompt_tokens) + grown)
+    staging = config.staging_buffers * per_layer_token * (prompt_tokens + grown + 1) if on_device else 0
+    return Footprint(draft + staging, layers * per_layer_token * (prompt_tokens + max_new_tokens))
+
+
+@dataclass
+class MemoryBudget:
+    """Device bytes shared by running requests: `admit` waits until a request fits (one always runs alone)."""
+
+    total: int
+    in_use: int = 0
+    running: int = 0
+    peak_in_use: int = 0
+    peak_running: int = 0
+    admitted: int = 0
+    admitted_device_bytes: int = 0  # sums over admitted requests, for their mean size
+    admitted_full_kv_bytes: int = 0
+    _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def check(self, need: Footprint) -> None:
+        if need.device_bytes > self.total:
+            raise ValueError(
+                f"this request needs {need.device_bytes / 2**20:.1f} MiB of device memory (draft tier and staging "
+                f"buffers) but the engine's device_memory_budget is {self.total / 2**20:.1f} MiB: raise the budget, "
+                "or lower max_new_tokens or the compressor's kept share."
+            )
+
+    def admit(self, need: Footprint, cancelled: threading.Event) -> bool:
+        """Wait until `need` fits beside the running requests; False if `cancelled` first."""
+        with self._changed:
+            while self.running and self.in_use + need.device_bytes > self.total:
+                if cancelled.is_set():
+                    return False
+                self._changed.wait(0.05)
+            self.in_use += need.device_bytes
+            self.running += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            self.peak_running = max(self.peak_running, self.running)
+            self.admitted += 1
+            self.admitted_device_bytes += need.device_bytes
+            self.admitted_full_kv_bytes += need.full_kv_bytes
+            return True
+
+    def release(self, need: Footprint) -> None:
+        with self._changed:
+            self.in_use -= need.device_bytes
+            self.running -= 1
+            self._changed.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        """The budget, its peaks, and how many requests of the admitted ones' mean size it holds under VeriCache
+        and would hold with each request's full KV on the device."""
+        with self._changed:
+            count = max(self.admitted, 1)
+            device = max(self.admitted_device_bytes, 1) / count
+            full = max(self.admitted_full_kv_bytes, 1) / count
+            return {
+                "budget_bytes": self.total,
+                "peak_in_use_bytes": self.peak_in_use,
+                "peak_running": self.peak_running,
+                "vericache_capacity": math.floor(self.total / device),
+                "full_kv_capacity": math.floor(self.total / full),
+            }
