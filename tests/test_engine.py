@@ -13,7 +13,7 @@ import torch
 from transformers import StoppingCriteria
 
 import vericache_hf
-from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, generate_batch
+from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, VeriCacheStats, generate_batch
 from vericache_hf.admission import MemoryBudget, footprint, parse_bytes
 
 from .conftest import VOCAB, random_prompt, tiny_model
@@ -281,3 +281,26 @@ def test_model_generate_batch_routes_to_the_engine(served):
         served.generate_batch(inputs, None, None, generation_mode="vericache")
     with pytest.raises(ValueError, match="Unknown generation_mode"):
         served.generate_batch(inputs, generation_mode="lookahead")
+
+
+def test_requests_share_one_transfer_queue_over_an_emulated_link(served):
+    """The full tier of every request goes through the engine's one queue (staged here with `stage_on_cpu`, over
+    an emulated link), while other requests draft; every output stays exact."""
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(
+        compressor="streaming_llm",
+        compression_ratio=0.75,
+        draft_length=4,
+        stage_on_cpu=True,
+        emulated_link_bytes_per_s=50e6,
+        stats=stats,
+    )
+    inputs = prompts(4, seed=80)
+    results = generate_batch(served, inputs, max_new_tokens=16, vericache_config=config, max_concurrent=2)
+    for out, prompt in zip(results.values(), inputs, strict=True):
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.generated_tokens == stock(served, prompt, 16)
+    assert stats.bytes_to_device > 0 and stats.transfer_seconds >= stats.bytes_to_device / 50e6
+    assert no_engine_thread_left()
+    with pytest.raises(ValueError, match="emulated_link_bytes_per_s must be"):
+        VeriCacheConfig(emulated_link_bytes_per_s=-1)

@@ -356,3 +356,19 @@ def test_commit_in_place_keeps_no_more_than_the_last_pass_wrote():
     store.commit_in_place(2)
     with pytest.raises(ValueError, match="wrote 0"):
         store.commit_in_place(1)  # each pass commits once
+
+
+def test_an_emulated_link_makes_each_copy_take_its_time_on_that_link():
+    """Benchmarks only: with `link_bytes_per_s` a copy is not ready before its bytes could have crossed the link."""
+    store, keys, values = filled_store(40)
+    engine = TransferEngine(num_buffers=2, link_bytes_per_s=1e6)
+    transfer = engine.submit(store, "cpu")
+    got_keys, got_values = engine.wait(transfer)
+    assert torch.equal(got_keys[:, :, :40], keys) and torch.equal(got_values[:, :, :40], values)
+    assert transfer.bytes == 40 * BYTES_PER_TOKEN
+    assert transfer.seconds >= transfer.bytes / 1e6
+    engine.release(transfer)
+    engine.close()
+    assert TransferEngine().link_bytes_per_s is None  # never on by default
+    with pytest.raises(ValueError, match="link_bytes_per_s must be"):
+        TransferEngine(link_bytes_per_s=0)

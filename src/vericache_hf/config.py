@@ -55,6 +55,9 @@ class VeriCacheConfig:
             while the exact KV streams in behind, and its first verify pass prefills the rest of the prompt exactly.
             One request per call (batch 1, or `VeriCacheEngine`). None stores nothing.
         prefix_chunk_tokens: tokens per stored chunk (256, as LMCache); a prefix is a whole number of chunks.
+        emulated_link_bytes_per_s: benchmarks only, never needed for use: staging copies of the full tier take the
+            time they would take on a link of this many bytes per second (they sleep, costing no CPU). With
+            `stage_on_cpu`, it lets a CPU-only machine study what overlapping transfers buys. None: the real link.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
     """
 
@@ -75,6 +78,7 @@ class VeriCacheConfig:
     proposal_length: int = 10
     prefix_store: Any = None
     prefix_chunk_tokens: int = 256
+    emulated_link_bytes_per_s: float | None = None
     stats: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,13 @@ class VeriCacheConfig:
                     "prefix_store must be a vericache_hf.prefix store (DiskStore, RedisStore) or None, "
                     f"got {type(self.prefix_store).__name__}."
                 )
+        if self.emulated_link_bytes_per_s is not None and not (
+            isinstance(self.emulated_link_bytes_per_s, int | float) and self.emulated_link_bytes_per_s > 0
+        ):
+            raise ValueError(
+                "emulated_link_bytes_per_s must be a positive number of bytes per second (e.g. 32e9) or None, "
+                f"got {self.emulated_link_bytes_per_s!r}."
+            )
         if not isinstance(self.stage_on_cpu, bool):
             raise TypeError(f"stage_on_cpu must be True or False, got {self.stage_on_cpu!r}.")
         for name in (

@@ -62,6 +62,7 @@ def generate(
     vericache_config: VeriCacheConfig | dict | None = None,
     vericache_streamer=None,
     vericache_assistant=None,
+    vericache_transfers=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:
     """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s, and
@@ -69,7 +70,8 @@ def generate(
 
     `vericache_streamer` is the streamer under a name that survives transformers' `custom_generate` path (which
     drops `streamer`); `registration.vericache_generate` passes it, after stock generate streamed the prompt.
-    `vericache_assistant` is `assistant_model` under such a name (stock generate keeps `assistant_model` for itself)."""
+    `vericache_assistant` is `assistant_model` under such a name (stock generate keeps `assistant_model` for itself).
+    `vericache_transfers` is a `TransferEngine` shared with other calls (the serving engine's one queue)."""
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
@@ -78,7 +80,7 @@ def generate(
     streamer = vericache_streamer if vericache_streamer is not None else streamer
 
     stats = VeriCacheStats()
-    compressor, cache = _build_cache(model, config, stats)
+    compressor, cache = _build_cache(model, config, stats, vericache_transfers)
     pad = generation_config._pad_token_tensor
     proposer = build_proposer(config.proposer, config.proposal_length, generation_config, vericache_assistant)
     io = DecodeIO(
@@ -129,7 +131,7 @@ def generate(
     return _outputs(seqs, generation_config, cache, stats)
 
 
-def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats) -> tuple:
+def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfers=None) -> tuple:
     compressor = build_compressor(
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
@@ -142,6 +144,8 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats) -> tuple
         transfer_timeout=config.transfer_timeout,
         refresh_policy=config.refresh,
         stage_on_cpu=config.stage_on_cpu,
+        transfers=transfers,
+        link_bytes_per_s=config.emulated_link_bytes_per_s,
     )
     return compressor, cache
 

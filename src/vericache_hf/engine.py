@@ -2,11 +2,13 @@
 batching (`add_request(s)`, `get_result`, `request_id_iter`, ids `req_0`, `req_1`, ..., and its `GenerationOutput`
 with `RequestStatus`), so that a user of `model.generate_batch` changes one thing.
 
-This is the engine's first step: each request is one VeriCache `generate` call on its own cache, run by one of
-`max_concurrent` worker threads (VeriCache calls are thread-safe, see `cache/vericache.py`). Requests join and leave
-at any time, a failing request fails alone with its error in its result, `cancel` ends a request at its next round
-and frees its cache, and `stop` ends every request and leaves no thread behind. Batching requests into shared
-forward passes, admission by device memory and staggered cohorts are the next steps.
+Each request is one VeriCache `generate` call on its own cache, run by one of `max_concurrent` worker threads
+(VeriCache calls are thread-safe, see `cache/vericache.py`). Requests join and leave at any time, a failing request
+fails alone with its error in its result, `cancel` ends a request at its next round and frees its cache, and `stop`
+ends every request and leaves no thread behind. Every request's full tier goes to the device through one shared
+transfer queue (one link), so one request's copies run while others draft: requests stagger by themselves rather
+than in planned cohorts. A device-memory budget admits requests by their draft tier and staging buffers
+(`admission.py`). Batching requests into shared forward passes and planned cohorts are the next steps.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
+from .cache.transfer import TransferEngine
 from .checks import check_int
 from .config import VeriCacheConfig
 
@@ -100,7 +103,21 @@ class VeriCacheEngine:
         check_int("max_concurrent", max_concurrent)
         self.model = model
         self._budget = MemoryBudget(parse_bytes(device_memory_budget)) if device_memory_budget else None
-        self.generate_kwargs = {"vericache_config": vericache_config, **generate_kwargs}
+        config = VeriCacheConfig.from_any(
+            vericache_config or getattr(model.generation_config, "vericache_config", None)
+        )
+        # one transfer queue for every request (one link): a request's full tier streams in while others draft
+        self._transfers = TransferEngine(
+            config.staging_buffers * max_concurrent,
+            config.transfer_timeout,
+            config.emulated_link_bytes_per_s,
+            slots_per_group=config.staging_buffers,
+        )
+        self.generate_kwargs = {
+            "vericache_config": vericache_config,
+            "vericache_transfers": self._transfers,
+            **generate_kwargs,
+        }
         self.max_concurrent = max_concurrent
         self._requests: dict[str, _Request] = {}
         self._pending: queue.Queue = queue.Queue()
@@ -142,6 +159,7 @@ class VeriCacheEngine:
             deadline = None if timeout is None else time.monotonic() + timeout
             for worker in self._workers:
                 worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self._transfers.cancel()
 
     def __enter__(self) -> VeriCacheEngine:
         return self.start()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 MIB = 1024 * 1024
 
@@ -64,6 +66,7 @@ class VeriCacheStats:
     first_token_seconds: float = 0.0
     accepted_per_round: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    _merging: ClassVar[threading.Lock] = threading.Lock()  # calls on several threads may merge into one
 
     @property
     def mean_accepted_per_round(self) -> float:
@@ -118,7 +121,11 @@ class VeriCacheStats:
         self.draft_lengths.append(draft_length)
 
     def merge(self, other: VeriCacheStats) -> None:
-        """Add another run's counters into this one (tier sizes keep the larger value)."""
+        """Add another run's counters into this one (tier sizes keep the larger value); safe from many threads."""
+        with self._merging:
+            self._merge(other)
+
+    def _merge(self, other: VeriCacheStats) -> None:
         for item in fields(self):
             mine, theirs = getattr(self, item.name), getattr(other, item.name)
             if item.name.endswith("tier_bytes") or item.name.startswith("peak_"):

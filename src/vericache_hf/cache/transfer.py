@@ -10,13 +10,17 @@ Life of a transfer: backlog -> queued (holds a slot) -> copying -> ready -> rele
 cancelled. The worker starts on demand and exits when its queue is empty, so an idle engine holds no thread.
 Every wait has a timeout, and an error in the worker fails the transfer (and the rest of its group) and is raised
 in the caller's `wait`.
+
+`link_bytes_per_s` emulates a slower link, for study on a machine without one (benchmarks only, never on by
+default): after each copy the worker sleeps until the copy has taken the time that many bytes would take on that
+link. It sleeps, so it costs no CPU, and the transfer is not ready until then.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +82,26 @@ def _timing_event():
 
 
 class TransferEngine:
-    """Layer transfers for any number of requests, through `num_buffers` staging slots and one worker thread."""
+    """Layer transfers for any number of requests, through `num_buffers` staging slots and one worker thread;
+    shared by several requests, give each at most `slots_per_group` of the slots."""
 
-    def __init__(self, num_buffers: int = 2, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        num_buffers: int = 2,
+        timeout: float = 60.0,
+        link_bytes_per_s: float | None = None,
+        slots_per_group: int | None = None,
+    ) -> None:
         check_seconds("transfer timeout", timeout)
+        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
+            raise ValueError(
+                f"link_bytes_per_s must be a positive number of bytes per second, got {link_bytes_per_s!r}"
+            )
         self.buffers = StagingBuffers(num_buffers)
         self.timeout = float(timeout)
+        self.link_bytes_per_s = link_bytes_per_s
+        self.slots_per_group = slots_per_group
+        self._held: Counter[int] = Counter()  # slots each group holds, by id(group)
         self._lock = threading.RLock()
         self._backlog: deque[LayerTransfer] = deque()
         self._queue: deque[LayerTransfer] = deque()
@@ -172,8 +190,7 @@ class TransferEngine:
                     freed = torch.cuda.Event()
                     freed.record(torch.cuda.current_stream(transfer.device))
                     self._free_events[transfer.slot] = freed
-                self.buffers.release(transfer.slot)
-                transfer.slot = None
+                self._free_slot(transfer)
             transfer.state = "released"
             transfer.store.transfers_in_flight -= 1
             self._dispatch()
@@ -211,22 +228,33 @@ class TransferEngine:
             if transfer in line:
                 line.remove(transfer)
         if transfer.slot is not None:
-            self.buffers.release(transfer.slot)
-            transfer.slot = None
+            self._free_slot(transfer)
         if transfer.state in ("backlog", "queued"):
             transfer.store.transfers_in_flight -= 1
         transfer.state, transfer.error = "cancelled", error
         transfer.done.set()
         transfer.timed.set()
 
+    def _free_slot(self, transfer: LayerTransfer) -> None:
+        self.buffers.release(transfer.slot)
+        transfer.slot = None
+        self._held[id(transfer.group)] -= 1
+        if not self._held[id(transfer.group)]:
+            del self._held[id(transfer.group)]
+
     def _dispatch(self) -> None:
         """Give free slots to the oldest backlog transfers (allocating buffers here, on the consumer's thread and
-        stream) and make sure a worker serves the queue. Call with the lock held."""
-        while self._backlog:
+        stream) and make sure a worker serves the queue. A group (a cache) holds at most `slots_per_group` slots,
+        so that a request still drafting cannot hold every slot while another waits to verify. Call with the lock
+        held."""
+        for transfer in list(self._backlog):
+            if self.slots_per_group and self._held[id(transfer.group)] >= self.slots_per_group:
+                continue
             slot = self.buffers.try_acquire()
             if slot is None:
                 break
-            transfer = self._backlog.popleft()
+            self._backlog.remove(transfer)
+            self._held[id(transfer.group)] += 1
             transfer.slot, transfer.state = slot, "queued"
             snapshot = transfer.snapshot
             transfer.keys, transfer.values = self.buffers.buffers(
@@ -248,8 +276,16 @@ class TransferEngine:
                 transfer.state = "copying"
                 freed = self._free_events.pop(transfer.slot, None)
             try:
+                started = time.perf_counter()
                 with torch.inference_mode(transfer.inference_mode):
                     self._copy(transfer, freed)
+                if (
+                    self.link_bytes_per_s is not None
+                ):  # an emulated link: the copy takes what it would take there
+                    time.sleep(
+                        max(0.0, transfer.bytes / self.link_bytes_per_s - (time.perf_counter() - started))
+                    )
+                    transfer.seconds = max(transfer.seconds, time.perf_counter() - started)
             except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 self._fail(transfer, error)
                 continue
@@ -285,8 +321,7 @@ class TransferEngine:
     def _fail(self, transfer: LayerTransfer, error: BaseException) -> None:
         with self._lock:
             if transfer.slot is not None:  # its buffers hold garbage: free the slot now
-                self.buffers.release(transfer.slot)
-                transfer.slot = None
+                self._free_slot(transfer)
             transfer.store.transfers_in_flight -= 1
             transfer.state, transfer.error = "failed", error
             transfer.done.set()

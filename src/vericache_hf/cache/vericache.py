@@ -150,8 +150,8 @@ class VeriCache(Cache):
     `chunk_tokens` is the granule the host full tier grows by; `staging_buffers` is how many layers of the full tier
     may be on an accelerator at once; `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
     full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
-    place. Pass a shared `transfers` engine to serve several caches through one queue (its own buffer count and
-    timeout then apply).
+    place. Pass a shared `transfers` engine to serve several caches through one queue (its own buffer count,
+    timeout and link then apply); `link_bytes_per_s` emulates a slower link for a private one (benchmarks only).
     """
 
     def __init__(
@@ -165,6 +165,7 @@ class VeriCache(Cache):
         transfers: TransferEngine | None = None,
         refresh_policy: RefreshPolicy | None = None,
         stage_on_cpu: bool = False,
+        link_bytes_per_s: float | None = None,
     ) -> None:
         if refresh_policy is not None:
             check_refreshable(compressor)
@@ -174,7 +175,9 @@ class VeriCache(Cache):
         self.stage_on_cpu = stage_on_cpu
         self.stats = stats if stats is not None else VeriCacheStats()
         self.transfers = (
-            transfers if transfers is not None else TransferEngine(staging_buffers, transfer_timeout)
+            transfers
+            if transfers is not None
+            else TransferEngine(staging_buffers, transfer_timeout, link_bytes_per_s)
         )
         self.phase = "idle"
         self.prompt_valid: torch.Tensor | None = None
