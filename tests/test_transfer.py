@@ -372,3 +372,24 @@ def test_an_emulated_link_makes_each_copy_take_its_time_on_that_link():
     assert TransferEngine().link_bytes_per_s is None  # never on by default
     with pytest.raises(ValueError, match="link_bytes_per_s must be"):
         TransferEngine(link_bytes_per_s=0)
+
+
+def test_a_shared_engine_gives_each_group_its_share_of_the_slots():
+    """Request A queued all its layers first and is still drafting (reads none); request B, which submits after it,
+    still gets its slots and its layers copied, instead of waiting behind A's backlog."""
+    engine = TransferEngine(num_buffers=4, timeout=10, slots_per_group=2)
+    drafting, verifying = object(), object()
+    early = [engine.submit(filled_store(12, seed=i)[0], "cpu", group=drafting, label=i) for i in range(5)]
+    late = [engine.submit(filled_store(12, seed=9 + i)[0], "cpu", group=verifying, label=i) for i in range(3)]
+    assert sum(t.state != "backlog" for t in early) == 2
+    for transfer in late[:2]:
+        engine.wait(transfer)  # copied while the first group holds its two slots, unread
+    assert late[2].state == "backlog"
+    engine.release(late[0])
+    engine.wait(late[2])  # the freed slot goes back to the same group, whose next layer is waiting
+    assert sum(t.state != "backlog" for t in early) == 2
+    for transfer in early + late:
+        engine.release(transfer)
+    assert engine.buffers.held == 0 and not engine._held
+    engine.close()
+    assert no_worker_left()
