@@ -69,8 +69,10 @@ def test_saved_and_reused_prefix_match_stock(model, make_store, compressor):
             assert stats.prefix_full_bytes > 0
             assert stats.prefix_compressed_bytes > 0
             assert stats.first_token_seconds > 0
-    if compressor in ("snapkv", "streaming_llm"):  # a quarter of the tokens: the draft entry is far smaller
-        assert stats.prefix_compressed_bytes < 0.4 * stats.prefix_full_bytes
+    # a quarter of the tokens, or 4-bit codes for all but the last 32 (KIVI's full-precision residual)
+    assert stats.prefix_compressed_bytes < (0.4 if compressor in ("snapkv", "streaming_llm") else 0.6) * (
+        stats.prefix_full_bytes
+    )
 
 
 def test_drafting_runs_on_while_the_full_prefix_loads(llama, tmp_path):

@@ -377,13 +377,10 @@ def decode(
     while any(seqs.unfinished):
         active = [b for b, alive in enumerate(seqs.unfinished) if alive]
         room = max(io.max_length - seqs.lengths[b] for b in active)
-        k = max(0, min(schedule.current, room - 1))
-        suffix = pending.dim() == 2  # the first round after a stored or separately prefilled prefix
+        # the first round after a prefix drafts only while the full prefix loads: the first token comes first
+        suffix = pending.dim() == 2
         loading = suffix and not reuse.full_tier_ready()
-        if (
-            suffix
-        ):  # drafts come only from the time the full prefix takes to load: the first token comes first
-            k = 0
+        k = 0 if suffix else max(0, min(schedule.current, room - 1))
 
         started = time.perf_counter()
         # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does

@@ -112,26 +112,59 @@ class QuantizedStore(DraftStore):
             self.quantized = start + self.group
 
     def export(self) -> dict[str, torch.Tensor]:
-        """The slots as attention reads them (quantized groups dequantized), and where the quantized groups end."""
-        counts = torch.tensor([self.quantized, self.quantized_bytes], dtype=torch.int64)
-        rows = self.tokens.valid.shape[0]
-        return {**self.tokens.export(), "quantized": counts.expand(rows, 2).clone()}
+        """The committed slots and where the quantized groups end. When the codec's blocks are plain tensors
+        (KIVI, fp8), the quantized groups go out as their codes, re-quantized from the slots (what makes a stored
+        entry small), and only the full-precision residual as slots; otherwise every slot goes out dequantized."""
+        state = self.tokens.export()
+        rows = state["valid"].shape[0]
+        counts = torch.tensor([[self.quantized, self.quantized_bytes]], dtype=torch.int64)
+        state["quantized"] = counts.expand(rows, 2)
+        if not self.quantized:
+            return state
+        for kind, name in (("key", "keys"), ("value", "values")):
+            block = self.codec.quantize(_grouped(state[name][:, :, : self.quantized], self.group), kind)
+            if not (isinstance(block, tuple) and all(isinstance(part, torch.Tensor) for part in block)):
+                return state  # a library's own block type: keep the dequantized slots
+            state |= {f"codes.{kind}.{i}": part for i, part in enumerate(block)}
+            state[name] = state[name][:, :, self.quantized :].clone()
+        return state
 
     @classmethod
     def restored(cls, codec: Codec, group_size: int, residual_length: int, state: dict[str, torch.Tensor]):
-        """The store `export` described, without quantizing its dequantized groups again."""
-        slots = state["keys"], state["values"], state["valid"]
-        store = cls(
-            codec, group_size, residual_length + slots[0].shape[-2], *slots
-        )  # nothing to quantize yet
-        store.residual_length = residual_length
-        store.quantized, store.quantized_bytes = (int(n) for n in state["quantized"][0].tolist())
+        """The store `export` described, without quantizing its groups again."""
+        quantized, quantized_bytes = (int(n) for n in state["quantized"][0].tolist())
+        keys, values = state["keys"], state["values"]
+        if "codes.key.0" in state:  # the groups came as codes: dequantize them in front of the residual
+            slots = []
+            for kind, residual in (("key", keys), ("value", values)):
+                block = tuple(state[f"codes.{kind}.{i}"] for i in range(_parts(state, kind)))
+                grouped = codec.dequantize(block, residual)
+                slots.append(
+                    torch.cat([grouped.reshape(*residual.shape[:2], -1, residual.shape[-1]), residual], 2)
+                )
+            keys, values = slots
+        store = cls(codec, group_size, residual_length + keys.shape[-2], keys, values, state["valid"])
+        store.residual_length, store.quantized, store.quantized_bytes = (
+            residual_length,
+            quantized,
+            quantized_bytes,
+        )
         return store
 
     def nbytes(self) -> int:
         store = self.tokens
         residual = slice(self.quantized, store.length)
         return self.quantized_bytes + tensor_bytes(store.keys[:, :, residual], store.values[:, :, residual])
+
+
+def _grouped(slots: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H, n*group, D) slots as (B, H*n, group, D): one quantization group per row, as the codec saw them."""
+    batch, heads, length, dim = slots.shape
+    return slots.reshape(batch, heads * (length // group), group, dim)
+
+
+def _parts(state: dict[str, torch.Tensor], kind: str) -> int:
+    return sum(name.startswith(f"codes.{kind}.") for name in state)
 
 
 @dataclass
