@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
@@ -22,6 +21,7 @@ import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_tools.embedded import load_embedded_model
 from vericache_tools.prompts import humaneval_problems, long_code_prompt
+from vericache_tools.report import save_results
 
 
 def run(method: str, model, tokenizer, prompts: list[list[int]], link: float, new_tokens: int, workers: int):
@@ -99,9 +99,6 @@ def main() -> None:
             row["identical"] = sum(g == r for g, r in zip(generated, reference, strict=True))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
     lines = [
         f"{args.requests} requests, {args.context}-token code prompts, {args.new_tokens} new tokens, snapkv@0.875, "
         "full tier staged through the transfer queue (`stage_on_cpu`) over an emulated link.",
@@ -114,8 +111,7 @@ def main() -> None:
         f"{r['hidden_share']:.0%} | {r['identical']}/{args.requests} |"
         for r in rows
     ]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(args.out, rows, lines)
 
 
 if __name__ == "__main__":

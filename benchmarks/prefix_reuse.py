@@ -34,6 +34,7 @@ from vericache_hf.prefix import DiskStore, PrefixCache, RedisStore, ThrottledSto
 from vericache_tools.embedded import load_embedded_model
 from vericache_tools.prompts import code_context, humaneval_problems
 from vericache_tools.redis_server import running_redis, server_binary
+from vericache_tools.report import save_results
 
 LINKS = {"1": (1e9, 2e-3), "5": (5e9, 0.5e-3), "25": (25e9, 0.2e-3)}  # Gbit/s: (bit/s, latency per request)
 
@@ -172,8 +173,6 @@ def report(rows: list[dict], out: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
     backends = sorted({r["backend"] for r in rows})
     prefixes = sorted({r["prefix"] for r in rows})
     links = [g for g in args.gbits.split(",")]
@@ -210,8 +209,7 @@ def report(rows: list[dict], out: Path, args) -> None:
                     f"{mean(r['ttft_s'] for r in fast):.2f} / {mean(r['end_to_end_s'] for r in fast):.2f} | "
                     f"{speedup:.2f}x | {sooner:+.2f} | {same}/{len(full + fast + recompute)} |"
                 )
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(out, rows, lines)
     figure, axes = plt.subplots(
         len(backends), len(prefixes), figsize=(4 * len(prefixes), 3.2 * len(backends)), squeeze=False
     )

@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
@@ -120,6 +119,8 @@ def main() -> None:
     parser.add_argument("--out", default="docs/bench-serving")
     parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
     args = parser.parse_args()
+    from vericache_tools.report import save_results
+
     if args.method:
         print(json.dumps(run(args.method, args)))
         return
@@ -143,9 +144,6 @@ def main() -> None:
         row["identical"] = sum(a == b for a, b in zip(row.pop("tokens"), reference, strict=True))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
     lines = [
         f"{args.requests} requests arriving at once, code prompts of {args.contexts} tokens, {args.new_tokens} new "
         f"tokens, greedy; static batches of {args.batch}, the engine with {args.batch} workers; VeriCache snapkv@0.875.",
@@ -158,8 +156,7 @@ def main() -> None:
         f"{r['identical']}/{args.requests} | {r['peak_rss_mib']} |"
         for r in rows
     ]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(args.out, rows, lines)
 
 
 if __name__ == "__main__":
