@@ -71,20 +71,16 @@ class PrefixReuse:
         self._weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
         )
-        self._attention = (
-            2 * text.num_hidden_layers * text.num_attention_heads * head_dim
-        )  # scores and values
+        # multiply-adds per token and cached token, over the layers: scores, then values
+        self._attention = 2 * text.num_hidden_layers * text.num_attention_heads * head_dim
 
     def boundary(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
         """The prefix length to reuse or save: whole chunks, leaving at least one token; 0 when not applicable
         (prompts shorter than a chunk and one token, and batches of different prompts: a prefix is one request's;
         a batch of one prompt repeated, as `num_return_sequences` makes, shares it)."""
         batch, length = input_ids.shape
-        if (
-            attention_mask is not None
-            and not bool(attention_mask.all())
-            or not bool((input_ids == input_ids[:1]).all())
-        ):
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded or not bool((input_ids == input_ids[:1]).all()):
             warnings.warn(
                 f"prefix_store serves one prompt per call; this batch of {batch} different prompts decodes "
                 "without it (use VeriCacheEngine or one generate call per prompt to reuse prefixes)",
