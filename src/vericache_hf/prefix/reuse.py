@@ -136,13 +136,13 @@ class PrefixReuse:
         self._loader = threading.Thread(
             target=self._load_full_tier, args=(cache, prefix_ids), name="vericache-prefix-loader", daemon=True
         )
+        self._load_started = time.perf_counter()  # before the thread runs: keep_drafting may ask at once
         self._loader.start()
         return True
 
     def _load_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
         """The loader thread: append each layer's prefix to its host full tier as it arrives, layer by layer, and
         tell the cache, so that a verify pass can run behind the load."""
-        self._load_started = time.perf_counter()
         length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
         try:
             for layer, keys, values, nbytes in self.prefixes.iter_layers(prefix_ids[:1], self.full_print):
