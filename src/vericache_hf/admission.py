@@ -14,8 +14,6 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-import torch
-
 from .compressors import build_compressor
 from .config import VeriCacheConfig
 
@@ -63,7 +61,7 @@ def footprint(
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    per_layer_token = 2 * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+    per_layer_token = 2 * kv_heads * head_dim * model.dtype.itemsize
     layers = text.num_hidden_layers
     if on_device is None:
         on_device = model.device.type != "cpu" or config.stage_on_cpu

@@ -97,18 +97,7 @@ def generate(
             ProposalLength(proposer.max_tokens, fixed=config.draft_schedule == "fixed") if proposer else None
         ),
         plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
-        prefix=(
-            PrefixReuse(
-                config.prefix_store,
-                model,
-                compressor,
-                stats,
-                config.prefix_chunk_tokens,
-                config.transfer_timeout,
-            )
-            if config.prefix_store is not None
-            else None
-        ),
+        prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
     )
     try:
         seqs = decode(

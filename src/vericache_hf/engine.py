@@ -28,7 +28,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
 from .cache.transfer import TransferEngine
 from .checks import check_int
-from .config import VeriCacheConfig
+from .decoding import resolve_config
 
 __all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
 
@@ -103,9 +103,7 @@ class VeriCacheEngine:
         check_int("max_concurrent", max_concurrent)
         self.model = model
         self._budget = MemoryBudget(parse_bytes(device_memory_budget)) if device_memory_budget else None
-        config = VeriCacheConfig.from_any(
-            vericache_config or getattr(model.generation_config, "vericache_config", None)
-        )
+        config = resolve_config(vericache_config, model.generation_config)
         # one transfer queue for every request (one link): a request's full tier streams in while others draft
         self._transfers = TransferEngine(
             config.staging_buffers * max_concurrent,
@@ -211,8 +209,9 @@ class VeriCacheEngine:
         config = kwargs.get("generation_config") or self.model.generation_config
         new = kwargs.get("max_new_tokens") or config.max_new_tokens
         new = new if new is not None else max(1, config.max_length - prompt_tokens)
-        vericache = kwargs.get("vericache_config") or getattr(config, "vericache_config", None)
-        return footprint(self.model, VeriCacheConfig.from_any(vericache), prompt_tokens, new)
+        return footprint(
+            self.model, resolve_config(kwargs.get("vericache_config"), config), prompt_tokens, new
+        )
 
     def memory_stats(self) -> dict[str, float]:
         """The device-memory budget, its peaks, and how many requests of the admitted ones' mean size it holds,

@@ -330,17 +330,18 @@ def verify_after_prefix(
     while the last layers of the prefix are still loading, each layer waiting only for its own; elsewhere (staged
     transfers need the whole tier) after the load. If the store failed part way, what is missing is recomputed and
     the pass runs again."""
+    result = None
     if cache.reads_in_place():
         try:
             with cache.verifying():
                 result = verify(model, cache, pending, positions, drafts, io, seqs)
-            reuse.wait_full_tier(cache, prefix)  # every layer arrived: the loader has ended
-            return result
         except PrefixNotLoaded:
             pass
-    reuse.wait_full_tier(cache, prefix)
-    with cache.verifying():
-        return verify(model, cache, pending, positions, drafts, io, seqs)
+    reuse.wait_full_tier(cache, prefix)  # after a pass that ran behind the load, the loader has already ended
+    if result is None:
+        with cache.verifying():
+            result = verify(model, cache, pending, positions, drafts, io, seqs)
+    return result
 
 
 def accept(io: DecodeIO, drafts, draft_probs, scores) -> tuple[list[int], torch.Tensor]:

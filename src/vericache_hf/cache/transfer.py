@@ -279,13 +279,8 @@ class TransferEngine:
                 started = time.perf_counter()
                 with torch.inference_mode(transfer.inference_mode):
                     self._copy(transfer, freed)
-                if (
-                    self.link_bytes_per_s is not None
-                ):  # an emulated link: the copy takes what it would take there
-                    time.sleep(
-                        max(0.0, transfer.bytes / self.link_bytes_per_s - (time.perf_counter() - started))
-                    )
-                    transfer.seconds = max(transfer.seconds, time.perf_counter() - started)
+                if self.link_bytes_per_s is not None:  # an emulated link: the copy takes its time there
+                    self._emulate_link(transfer, started)
             except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 self._fail(transfer, error)
                 continue
@@ -295,6 +290,11 @@ class TransferEngine:
                 transfer.events["end"].synchronize()  # the worker blocks on the copy, never the consumer
                 transfer.seconds = transfer.events["start"].elapsed_time(transfer.events["end"]) / 1000
             transfer.timed.set()
+
+    def _emulate_link(self, transfer: LayerTransfer, started: float) -> None:
+        """Sleep until the copy begun at `started` has taken what its bytes take on the emulated link."""
+        time.sleep(max(0.0, transfer.bytes / self.link_bytes_per_s - (time.perf_counter() - started)))
+        transfer.seconds = max(transfer.seconds, time.perf_counter() - started)
 
     def _copy(self, transfer: LayerTransfer, freed: Any) -> None:
         started = time.perf_counter()

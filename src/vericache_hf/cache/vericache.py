@@ -228,19 +228,18 @@ class VeriCache(Cache):
         self, drafts: list[DraftStore], length: int, like: torch.Tensor, timeout: float = 60.0
     ) -> None:
         """Start from a stored prefix of `length` tokens instead of a prefill: `drafts` are the layers' draft tiers,
-        restored on the device; `like` is a tensor of the K/V's dtype and device. The full tier is left to a loader, which appends the prefix to each layer's `full`
-        while drafting runs and reports each layer with `layer_loaded`. A verify pass on the CPU may start before
-        the loader is done: each layer waits (up to `timeout`) for its own prefix, so the pass runs behind the load;
-        elsewhere verifying waits for `full_tier_loaded()`."""
+        restored on the device; `like` is a tensor of the K/V's dtype and device. The full tier is left to a loader,
+        which appends the prefix to each layer's `full` while drafting runs and reports each layer with
+        `layer_loaded`. A verify pass on the CPU may start before the loader is done: each layer waits (up to
+        `timeout`) for its own prefix, so the pass runs behind the load; elsewhere verifying waits for
+        `full_tier_loaded()`."""
         if self.full_valid is not None:
             raise RuntimeError("adopt_prefix replaces the prefill; create a new cache for a new prompt.")
         if len(drafts) != len(self.layers):
             raise ValueError(f"got {len(drafts)} draft tiers for {len(self.layers)} layers")
         for layer, draft in zip(self.layers, drafts, strict=True):
             layer.draft = draft
-            layer.lazy_initialization(
-                like, like
-            )  # the K/V dtype and device, as a prefill would have set them
+            layer.lazy_initialization(like, like)  # the K/V dtype and device, as a prefill sets them
         batch = drafts[0].valid.shape[0]
         self.prompt_valid = self.full_valid = torch.ones((batch, length), dtype=torch.bool)
         self._full_dense, self.full_tier_loading = True, True

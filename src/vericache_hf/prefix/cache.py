@@ -53,14 +53,15 @@ class PrefixCache:
 
     def layer_keys(self, token_ids: torch.Tensor, fingerprint: KVFingerprint, layer: int) -> list[str]:
         """The full-tier entry of every full chunk of `token_ids` for one layer."""
-        return [f"{base}/{layer}" for base in self.chunk_keys(token_ids, fingerprint)]
+        hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
+        return [tier_key("full", _layer_entry(h, layer)) for h in hashes]
 
     def probe(self, token_ids: torch.Tensor, fingerprint: KVFingerprint) -> int:
         """How many leading tokens the full tier has every layer of, by metadata alone: cheap (no tensor bytes
         move), not a promise."""
         last = self.layer_keys(
             token_ids, fingerprint, fingerprint.num_layers - 1
-        )  # a chunk's last entry written
+        )  # each chunk's last written
         return _leading(self.store.exists_many([key + ":meta" for key in last])) * self.chunk_tokens
 
     def save(
@@ -78,8 +79,8 @@ class PrefixCache:
         _check_kv(per_layer_kv, fingerprint, count * self.chunk_tokens)
         hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)[:count]
         layers = range(fingerprint.num_layers)
-        names = [[f"{chunk_hash}/{layer}" for layer in layers] for chunk_hash in hashes]
-        stored = self.store.exists_many([f"full@{name}:meta" for row in names for name in row])
+        names = [[_layer_entry(chunk_hash, layer) for layer in layers] for chunk_hash in hashes]
+        stored = self.store.exists_many([tier_key("full", name) + ":meta" for row in names for name in row])
         written = 0
         for i, row in enumerate(names):
             span = slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)
@@ -90,7 +91,8 @@ class PrefixCache:
                 keys, values = per_layer_kv[layer]
                 tensors = {"keys": keys[:, :, span], "values": values[:, :, span]}
                 meta, payload = encode_chunk(tensors, fingerprint, "full", name, self.chunk_tokens)
-                items += [(f"full@{name}:kv", payload), (f"full@{name}:meta", meta)]  # bytes first, meta last
+                base = tier_key("full", name)
+                items += [(base + ":kv", payload), (base + ":meta", meta)]  # bytes first, metadata last
             if items:
                 self.store.put_many(items)
                 written += 1
@@ -106,18 +108,17 @@ class PrefixCache:
         expected = (1, fingerprint.num_kv_heads, self.chunk_tokens, fingerprint.head_dim)
         hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
         for layer in range(fingerprint.num_layers):
-            names = [f"{chunk_hash}/{layer}" for chunk_hash in hashes]
-            found = self.store.get_many([f"full@{name}:{part}" for name in names for part in ("meta", "kv")])
+            names = [_layer_entry(chunk_hash, layer) for chunk_hash in hashes]
+            bases = [tier_key("full", name) for name in names]
+            found = self.store.get_many([base + part for base in bases for part in (":meta", ":kv")])
             run: list[dict[str, torch.Tensor]] = []
             nbytes = 0
-            for name, meta, payload in zip(names, found[::2], found[1::2], strict=True):
-                tensors = self._decode(
-                    f"full@{name}", meta, payload, fingerprint, "full", name, self.chunk_tokens
-                )
+            for name, base, meta, payload in zip(names, bases, found[::2], found[1::2], strict=True):
+                tensors = self._decode(base, meta, payload, fingerprint, "full", name, self.chunk_tokens)
                 reason = "" if tensors is None else _layout_mismatch(tensors, expected, fingerprint.dtype)
                 if reason:
-                    refuse(f"full@{name}", reason)
-                    self._drop(f"full@{name}")
+                    refuse(base, reason)
+                    self._drop(base)
                 if tensors is None or reason:
                     break
                 run.append(tensors)
@@ -148,9 +149,7 @@ class PrefixCache:
     ) -> bool:
         """Store one entry describing the whole of `token_ids` (whole chunks), under its last chunk's key: the
         compressed draft tier of exactly that prefix. False when it is already stored."""
-        ids = self._whole_chunks(token_ids)
-        chunk_hash = chunk_hashes(ids, self.chunk_tokens, fingerprint)[-1]
-        base = tier_key(tier, chunk_hash)
+        ids, chunk_hash, base = self._state_key(token_ids, fingerprint, tier)
         if self.store.exists(base + ":meta"):
             return False
         meta, payload = encode_chunk(tensors, fingerprint, tier, chunk_hash, ids.numel())
@@ -161,9 +160,7 @@ class PrefixCache:
         self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str
     ) -> tuple[dict[str, torch.Tensor], int] | None:
         """(named tensors, bytes read) of the entry `save_state` wrote for exactly `token_ids`, or None."""
-        ids = self._whole_chunks(token_ids)
-        chunk_hash = chunk_hashes(ids, self.chunk_tokens, fingerprint)[-1]
-        base = tier_key(tier, chunk_hash)
+        ids, chunk_hash, base = self._state_key(token_ids, fingerprint, tier)
         meta, payload = self.store.get_many([base + ":meta", base + ":kv"])
         tensors = self._decode(base, meta, payload, fingerprint, tier, chunk_hash, ids.numel())
         return None if tensors is None else (tensors, len(payload))
@@ -177,17 +174,26 @@ class PrefixCache:
             self._drop(base)
         return tensors
 
-    def _whole_chunks(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def _state_key(
+        self, token_ids: torch.Tensor, fingerprint: KVFingerprint, tier: str
+    ) -> tuple[torch.Tensor, str, str]:
+        """(token ids, last chunk's hash, store key) of the state entry for exactly `token_ids` (whole chunks)."""
         ids = token_ids_1d(token_ids)
         if not ids.numel() or ids.numel() % self.chunk_tokens:
             raise ValueError(
                 f"a state entry covers whole chunks: got {ids.numel()} tokens, chunks of {self.chunk_tokens}"
             )
-        return ids
+        chunk_hash = chunk_hashes(ids, self.chunk_tokens, fingerprint)[-1]
+        return ids, chunk_hash, tier_key(tier, chunk_hash)
 
     def _drop(self, base: str) -> None:
         self.store.delete(base + ":meta")
         self.store.delete(base + ":kv")
+
+
+def _layer_entry(chunk_hash: str, layer: int) -> str:
+    """The name of one layer's entry of a full-tier chunk (its store key is `tier_key("full", name)`)."""
+    return f"{chunk_hash}/{layer}"
 
 
 def _leading(found: Sequence[bool]) -> int:

@@ -19,6 +19,7 @@ import threading
 import time
 import warnings
 import weakref
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
@@ -59,7 +60,8 @@ class PrefixReuse:
         self.prefixes = PrefixCache(store, chunk_tokens)
         self.model, self.compressor, self.stats, self.timeout = model, compressor, stats, timeout
         self.full_print = fingerprint_for(model)
-        self.draft_print = fingerprint_for(model, compressor)
+        # what fingerprint_for(model, compressor) gives, without hashing the weights a second time
+        self.draft_print = replace(self.full_print, compressor=repr(compressor))
         self._loader: threading.Thread | None = None
         self._cancel = threading.Event()
         self._error: BaseException | None = None
@@ -189,8 +191,8 @@ class PrefixReuse:
 
     def _full_bytes(self) -> int:
         fp = self.full_print
-        element = torch.empty((), dtype=getattr(torch, fp.dtype.removeprefix("torch."))).element_size()
-        return self._prefix_tokens * fp.num_layers * 2 * fp.num_kv_heads * fp.head_dim * element
+        per_token = fp.num_layers * 2 * fp.num_kv_heads * fp.head_dim * self.model.dtype.itemsize
+        return self._prefix_tokens * per_token
 
     def _work(self, width: int, context: int) -> float:
         """Multiply-adds of a pass of `width` tokens after `context` cached ones: weights, then attention."""
