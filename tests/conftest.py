@@ -21,6 +21,7 @@ from transformers import (
 
 import vericache_hf  # registers generation_mode="vericache"
 from vericache_hf.cache.transfer import WORKER_THREAD_NAME
+from vericache_hf.draft_length import PRIORS
 from vericache_hf.prefix import DiskStore, RedisStore
 from vericache_tools.redis_server import running_redis, server_binary
 
@@ -30,6 +31,13 @@ VOCAB = 96
 def pytest_runtest_setup(item):
     """Tiny models run fastest on one thread (thread hand-offs dominate); the real model uses both cores."""
     torch.set_num_threads(2 if item.get_closest_marker("slow") else 1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_schedule_priors():
+    """Each test's calls start without what earlier tests' cost-aware schedules measured on the shared models."""
+    PRIORS.forget()
+    yield
 
 
 def tiny_config(family: str, **overrides):

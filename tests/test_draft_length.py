@@ -10,6 +10,7 @@ import pytest
 
 from vericache_hf import VeriCacheConfig
 from vericache_hf.draft_length import (
+    PRIORS,
     AcceptanceDraftLength,
     CostAwareDraftLength,
     DraftLengthSchedule,
@@ -17,18 +18,30 @@ from vericache_hf.draft_length import (
     draft_length_schedule,
 )
 
+from .conftest import random_prompt
+
 
 def drive(
-    schedule, rounds: int, accept_run: int, draft_step: float, verify_base: float, verify_per_token=0.0
+    schedule,
+    rounds: int,
+    accept_run: int,
+    draft_step: float,
+    verify_base: float,
+    verify_per_token=0.0,
+    plain_step: float | None = None,
 ):
-    """Run `rounds` rounds in which every row of 2 accepts `accept_run` drafts (capped by the draft length).
+    """Run `rounds` rounds in which every row of 2 accepts `accept_run` drafts (capped by the draft length). A
+    verify pass of w tokens costs `verify_base + verify_per_token * w`, a plain round `plain_step` when given.
     Returns the draft length of each round."""
     lengths = []
     for _ in range(rounds):
         k = schedule.current
         lengths.append(k)
         accepted = [min(k, accept_run)] * 2
-        schedule.observe(k, accepted, k * draft_step, verify_base + verify_per_token * (k + 1))
+        verify = verify_base + verify_per_token * (k + 1)
+        if not k and plain_step is not None:
+            verify = plain_step
+        schedule.observe(k, accepted, k * draft_step, verify)
     return lengths
 
 
@@ -68,6 +81,57 @@ def test_cost_aware_returns_to_drafting_when_a_probe_runs_through():
     assert drive(schedule, 40, 0, **costs)[-10:] == [0] * 10
     lengths = drive(schedule, 60, 10_000, **costs)  # the text turned predictable
     assert lengths[-1] >= 16
+
+
+def test_cost_aware_prices_plain_then_drafting_before_choosing():
+    schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
+    assert drive(schedule, 2, 10_000, draft_step=0.01, verify_base=0.1)[:2] == [0, 8]
+
+
+def test_a_plain_round_is_priced_by_plain_rounds_not_by_wider_passes():
+    # A 2-core CPU at 2k tokens: a one-token pass takes the decode path (50 ms) while passes of 3-9 tokens cost
+    # 75 ms and more, so a fit over them prices a plain round far too high. Drafts run 2 tokens, a draft step
+    # costs 40 ms: drafting loses (3 tokens in 158 ms against 3 in 150 ms).
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    lengths = drive(
+        schedule, 200, 2, draft_step=0.04, verify_base=0.075, verify_per_token=0.001, plain_step=0.05
+    )
+    assert sum(k == 0 for k in lengths) > 0.9 * len(lengths)
+    assert schedule.tokens_per_second(0) == pytest.approx(1 / 0.05)
+
+
+def test_the_next_call_starts_from_what_the_last_one_measured():
+    config = VeriCacheConfig()
+    # where drafting pays (a GPU at long context), the next call drafts long from its first round
+    fast = CostAwareDraftLength(config)
+    drive(fast, 30, 10_000, draft_step=0.01, verify_base=0.1)
+    assert CostAwareDraftLength(config, fast.estimates()).current >= 32
+    # where it does not, the next call steps plainly from its first round, and probes no sooner than the last did
+    slow = CostAwareDraftLength(config)
+    drive(slow, 300, 1, draft_step=0.06, verify_base=0.072, verify_per_token=0.003)
+    assert slow.probe_after >= 64 > CostAwareDraftLength.FIRST_PROBE_AFTER
+    prior = slow.estimates()
+    remembered = prior["plain_step"].total
+    after = CostAwareDraftLength(config, prior)
+    lengths = drive(after, 60, 1, draft_step=0.06, verify_base=0.072, verify_per_token=0.003)
+    assert lengths == [0] * 60  # a fresh schedule would have probed after 16 plain rounds
+    assert prior["plain_step"].total == remembered  # the next call measures on a copy
+
+
+def test_priors_are_kept_per_model_and_settings(llama):
+    from vericache_hf.decoding import _schedule_key
+
+    ids = random_prompt(40)
+    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.5)
+    llama.generate(
+        ids, max_new_tokens=12, do_sample=False, generation_mode="vericache", vericache_config=config
+    )
+    assert PRIORS.recall(llama, _schedule_key(config, ids, None)) is not None
+    assert PRIORS.recall(llama, _schedule_key(config, ids.repeat(2, 1), None)) is None  # another batch size
+    other = VeriCacheConfig(compressor="snapkv", compression_ratio=0.5)
+    assert PRIORS.recall(llama, _schedule_key(other, ids, None)) is None
+    PRIORS.forget(llama)
+    assert PRIORS.recall(llama, _schedule_key(config, ids, None)) is None
 
 
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])

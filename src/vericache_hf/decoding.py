@@ -18,7 +18,7 @@ from .cache.vericache import VeriCache
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
-from .draft_length import ProposalLength, draft_length_schedule
+from .draft_length import PRIORS, ProposalLength, draft_length_schedule
 from .loop import DecodeIO, Sequences, decode, prefill_prefix
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
@@ -99,6 +99,8 @@ def generate(
         plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
         prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
     )
+    settings = _schedule_key(config, input_ids, proposer)
+    schedule = draft_length_schedule(config, io.do_sample, PRIORS.recall(model, settings))
     try:
         seqs = decode(
             model,
@@ -107,8 +109,9 @@ def generate(
             model_kwargs.get("attention_mask"),
             model_kwargs.get("position_ids"),
             io,
-            draft_length_schedule(config, sampling=io.do_sample),
+            schedule,
         )
+        PRIORS.remember(model, settings, schedule)
     finally:
         if io.prefix is not None:
             io.prefix.close()
@@ -118,6 +121,24 @@ def generate(
     if config.stats is not None:
         config.stats.merge(stats)
     return _outputs(seqs, generation_config, cache, stats)
+
+
+def _schedule_key(config: VeriCacheConfig, input_ids: torch.Tensor, proposer) -> tuple:
+    """What a cost-aware schedule's measurements depend on besides the model: the compressor and its settings,
+    the proposer, the bounds on the length, the batch size and the context's scale (a power of two)."""
+    spec = config.compressor
+    parts = spec if isinstance(spec, (list, tuple)) else [spec]
+    return (
+        tuple(part if isinstance(part, str) else type(part).__name__ for part in parts),
+        config.compression_ratio,
+        config.compression_budget,
+        repr(sorted(config.compressor_kwargs.items())),
+        type(proposer).__name__ if proposer is not None else None,
+        config.min_draft_length,
+        config.max_draft_length,
+        input_ids.shape[0],
+        input_ids.shape[-1].bit_length(),
+    )
 
 
 def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfers=None) -> tuple:

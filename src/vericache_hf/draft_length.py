@@ -8,7 +8,12 @@ the speed: every round is verified against the full cache.
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
+import weakref
+from collections.abc import Hashable
+from typing import Any
 
 from .config import VeriCacheConfig
 
@@ -19,6 +24,12 @@ class DraftLengthSchedule:
     def __init__(self, config: VeriCacheConfig) -> None:
         self.current = config.draft_length
         self.low, self.high = config.min_draft_length, config.max_draft_length
+
+    @property
+    def keeps_draft_tier(self) -> bool:
+        """Whether the draft tier is worth keeping up now; when not, a K/V-only compressor's tier is freed and
+        rebuilt from the full tier when drafting resumes."""
+        return True
 
     def observe(
         self,
@@ -54,11 +65,17 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
     where each drafted token is accepted with probability `alpha` (estimated from recent rounds, so
     E = 1 + alpha + ... + alpha^k, the bonus token included), a draft step's time is a running mean, and a verify
-    pass's time is a running linear fit in the tokens it checks. k = 0 wins when drafts are rejected early and a
-    draft step costs nearly as much as a full-cache step (a CPU at short context); then a plain step is the fastest
-    lossless choice. While k = 0, a short probe draft now and then re-measures acceptance, at growing intervals
-    while probes keep failing. On an accelerator the verify pass also pays for streaming the full tier, which the fit
-    sees, so long drafts win there, as they should.
+    pass's time is a running linear fit in the tokens it checks. k = 0, a plain round, is priced by what plain
+    rounds took, measured apart: a one-token pass takes the decode path (no mask, no multi-token attention), which a
+    fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms against a fitted 78 ms). k = 0 wins when
+    drafts are rejected early and a draft step costs nearly as much as a full-cache step (a CPU at short context);
+    then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
+    acceptance, at growing intervals while probes keep failing. On an accelerator the verify pass also pays for
+    streaming the full tier, which the fit sees, so long drafts win there, as they should.
+
+    With nothing measured yet, the first round is plain (it costs what a stock step costs, and prices k = 0) and
+    the second drafts `draft_length` (it prices drafting); the third is chosen from both. Given a `prior` (what
+    earlier calls on the same model and settings measured, see `SchedulePriors`), the first round is chosen from it.
     """
 
     ACCEPTANCE_DECAY = 0.8  # per drafted round: acceptance follows the text, which changes
@@ -66,15 +83,42 @@ class CostAwareDraftLength(DraftLengthSchedule):
     FIRST_PROBE_AFTER = 16  # plain rounds before the first probe; doubles after each failed probe
     LAST_PROBE_AFTER = 1024
     PROBE_LENGTH = 4
+    FREE_AFTER = 64  # a probe interval this long (two probes failed): plain rounds free the draft tier
+    #: what a call measured, carried to the next call on the same model and settings (the probe interval too:
+    #: probes that kept failing in earlier calls are not repeated at the start of every call)
+    ESTIMATES = (
+        "accepted",
+        "rejections",
+        "draft_step",
+        "verify",
+        "plain_step",
+        "plain_gain",
+        "plain_width",
+        "probe_after",
+    )
 
-    def __init__(self, config: VeriCacheConfig) -> None:
+    def __init__(self, config: VeriCacheConfig, prior: dict[str, Any] | None = None) -> None:
         super().__init__(config)
+        self.first_length = config.draft_length
         self.accepted, self.rejections = 3.0, 1.0  # a weak prior: alpha = 0.75
         self.draft_step = RunningMean(self.COST_DECAY)
-        self.verify = RunningLinearFit(self.COST_DECAY)
-        self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+        self.verify = RunningLinearFit(self.COST_DECAY)  # passes that check 2 or more tokens
+        self.plain_step = RunningMean(self.COST_DECAY)  # a whole plain round without proposals
         # plain rounds with a proposer verify its tokens too: what they gain, and how wide they are
         self.plain_gain, self.plain_width = RunningMean(self.COST_DECAY), RunningMean(self.COST_DECAY)
+        self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+        if prior:
+            for name in self.ESTIMATES:
+                setattr(self, name, copy.deepcopy(prior[name]))
+        self.current = self._next(0)
+
+    @property
+    def keeps_draft_tier(self) -> bool:
+        return self.current > 0 or self.probe_after < self.FREE_AFTER
+
+    def estimates(self) -> dict[str, Any]:
+        """A copy of what this schedule measured, for the next call's `prior`."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in self.ESTIMATES}
 
     @property
     def alpha(self) -> float:
@@ -82,7 +126,10 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
     def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
         width = verified or drafted + 1
-        self.verify.add(width, verify_seconds)
+        if width > 1:
+            self.verify.add(width, verify_seconds)
+        elif accepted:  # a plain round of one token: the round's whole time, as a stock step's
+            self.plain_step.add(draft_seconds + verify_seconds)
         if not drafted and accepted:  # a plain round, with a proposer's tokens verified or (width 1) without
             self.plain_gain.add(sum(accepted) / len(accepted))
             self.plain_width.add(width)
@@ -94,6 +141,10 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.current = self._next(drafted)
 
     def _next(self, drafted: int) -> int:
+        if not self.plain_step.weight and not self.plain_width.weight:
+            return 0  # price a plain round first: it costs a stock step
+        if not self.draft_step.weight:
+            return self.first_length  # then price drafting
         best = max([0, *range(self.low, self.high + 1)], key=self.tokens_per_second)
         if best:
             self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
@@ -112,11 +163,49 @@ class CostAwareDraftLength(DraftLengthSchedule):
     def tokens_per_second(self, k: int) -> float:
         """Expected tokens per row and second for a round that drafts k."""
         if not k:  # a plain round: one token, plus what a proposer's verified tokens added
-            expected, seconds = 1 + self.plain_gain.value, self.verify.predict(self.plain_width.value or 1)
+            width = self.plain_width.value or 1
+            seconds = (
+                self.plain_step.value
+                if width < 1.5 and self.plain_step.weight
+                else self.verify.predict(width)
+            )
+            expected = 1 + self.plain_gain.value
         else:
             expected = (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
             seconds = k * self.draft_step.value + self.verify.predict(k + 1)
         return expected / seconds if seconds > 0 else 0.0
+
+
+class SchedulePriors:
+    """What cost-aware schedules measured, per model and settings (compressor, batch size, context scale, ...), so
+    that the next call on them decides its first rounds from measurements instead of exploring: a short answer
+    does not pay for exploration. Thread-safe; a model that is deleted takes its priors with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def recall(self, model, key: Hashable) -> dict[str, Any] | None:
+        with self._lock:
+            return self._by_model.get(model, {}).get(key)
+
+    def remember(self, model, key: Hashable, schedule: DraftLengthSchedule) -> None:
+        if isinstance(schedule, CostAwareDraftLength):
+            estimates = schedule.estimates()
+            with self._lock:
+                self._by_model.setdefault(model, {})[key] = estimates
+
+    def forget(self, model=None) -> None:
+        """Drop what was measured on `model` (on every model when None)."""
+        with self._lock:
+            if model is None:
+                self._by_model.clear()
+            else:
+                self._by_model.pop(model, None)
+
+
+#: The process's priors, shared by every call.
+PRIORS = SchedulePriors()
 
 
 class ProposalLength:
@@ -220,11 +309,16 @@ SCHEDULES = {
 }
 
 
-def draft_length_schedule(config: VeriCacheConfig, sampling: bool = False) -> DraftLengthSchedule:
+def draft_length_schedule(
+    config: VeriCacheConfig, sampling: bool = False, prior: dict[str, Any] | None = None
+) -> DraftLengthSchedule:
     """The schedule `config.draft_schedule` names. `"auto"` is cost-aware under greedy decoding and adaptive under
     sampling: there the draft length decides which random numbers are drawn, so a length that follows the clock
-    would make a seeded run unrepeatable (the output distribution would still be exact)."""
+    would make a seeded run unrepeatable (the output distribution would still be exact). `prior` (from
+    `SchedulePriors.recall`) starts a cost-aware schedule from earlier calls' measurements."""
     name = config.draft_schedule
     if name == "auto":
         name = "adaptive" if sampling else "cost_aware"
+    if name == "cost_aware":
+        return CostAwareDraftLength(config, prior)
     return SCHEDULES[name](config)

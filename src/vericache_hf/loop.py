@@ -388,14 +388,19 @@ def decode(
         plain_proposals = not k and io.proposer is not None and not suffix
         offered = propose_to_full_tier(io, seqs, pending) if plain_proposals else None
         most = min(schedule.high, room - 1) if loading else k  # draft on while the full prefix loads
-        with cache.drafting(
-            most if offered is None else offered[0].shape[-1]
-        ):  # the full tier streams in meanwhile
-            if offered is None:
+        if most:
+            if not cache.draft_tier_held:  # drafting resumes after plain rounds freed the draft tier
+                cache.rebuild_draft_tier()
+                stats.draft_tier_rebuilds += 1
+                started = time.perf_counter()  # a draft step's cost leaves the rebuild out (compress_seconds)
+            with cache.drafting(most):  # the full tier streams in meanwhile
                 more = reuse.keep_drafting if loading else None
                 drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs, more, most)
-            else:
-                drafts, draft_probs = offered[0], None
+        else:  # a plain round: nothing runs on the draft tier; the full tier starts streaming in for the pass
+            block = pending if suffix else pending[:, None]
+            drafts = offered[0] if offered is not None else block.new_empty((block.shape[0], 0))
+            draft_probs = None
+            cache.prefetch(room=block.shape[-1] + drafts.shape[-1])
         if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
             torch.cuda.current_stream(drafts.device).synchronize()
         draft_seconds = time.perf_counter() - started
@@ -449,7 +454,14 @@ def decode(
         width = int(counts.max())
         valid = torch.arange(width)[None, :] < counts[:, None]
         cache.commit(width, valid)
-        if cache.refresh_policy is not None:
+        if (
+            not schedule.keeps_draft_tier
+            and cache.draft_tier_held
+            and not cache.compressor.needs_hidden_states
+        ):
+            cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
+            stats.draft_tier_frees += 1
+        if cache.refresh_policy is not None and cache.draft_tier_held:
             mean_accepted = sum(accepted_active) / len(active) if k else None  # a plain round says nothing
             cache.refresh_policy.after_commit(cache, width, mean_accepted)
         index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])

@@ -29,6 +29,9 @@ class VeriCacheStats:
     `proposal_kept_tokens`, or in plain rounds straight to the full tier, which accepted `proposals_verified_kept`.
     `draft_forwards_per_token` is draft-tier passes per drafted position.
 
+    Plain rounds for a long while free a K/V-only compressor's draft tier (`draft_tier_frees`); drafting again
+    rebuilds it from the full tier (`draft_tier_rebuilds`, its time in `compress_seconds`).
+
     Prefix store (`VeriCacheConfig(prefix_store=...)`): `prefix_tokens_reused` came from the store instead of a
     prefill, for which `prefix_compressed_bytes` (the draft tier, fetched first) and `prefix_full_bytes` (streamed in
     behind) were read; `prefix_wait_seconds` is the time decoding waited on the store. `first_draft_seconds` and
@@ -64,6 +67,8 @@ class VeriCacheStats:
     prefix_wait_seconds: float = 0.0
     first_draft_seconds: float = 0.0
     first_token_seconds: float = 0.0
+    draft_tier_frees: int = 0
+    draft_tier_rebuilds: int = 0
     accepted_per_round: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     _merging: ClassVar[threading.Lock] = threading.Lock()  # calls on several threads may merge into one

@@ -38,7 +38,7 @@ def refresh_draft_tier(cache) -> None:
     """
     check_refreshable(cache.compressor)
     for layer in cache.layers:
-        if layer.draft is None:
+        if not layer.full.length:
             raise RuntimeError("refresh_draft_tier needs a prefilled cache.")
         keys, values = cache.layer_full_tier(layer.layer_idx)
         context = CompressionContext(layer_idx=layer.layer_idx, valid=cache.full_valid.to(layer.device))

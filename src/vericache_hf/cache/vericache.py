@@ -37,7 +37,7 @@ from .capture import LayerInputCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
-from .refresh import RefreshPolicy, check_refreshable
+from .refresh import RefreshPolicy, check_refreshable, refresh_draft_tier
 from .transfer import LayerTransfer, TransferEngine
 
 #: Tokens a staging buffer leaves free after the full tier when no draft length was announced.
@@ -127,7 +127,8 @@ class VeriCacheLayer(CacheLayerMixin):
             self.owner.stats.bytes_to_host += self.full.commit_in_place(count)
         else:
             self.owner.stats.bytes_to_host += self.full.append(keys, values)
-        self.draft.commit(keys, values, valid.to(keys.device))
+        if self.draft is not None:  # a freed draft tier is rebuilt from the full tier, not kept up
+            self.draft.commit(keys, values, valid.to(keys.device))
         self.pending = None
 
     def get_seq_length(self) -> int:
@@ -283,10 +284,31 @@ class VeriCache(Cache):
         """The layer input captured in this prefill, if the compressor asked for it."""
         return self._capture.pop(layer_idx) if self._capture is not None else None
 
+    @property
+    def draft_tier_held(self) -> bool:
+        """False after `free_draft_tier`, until `rebuild_draft_tier`."""
+        return self.layers[0].draft is not None
+
+    def free_draft_tier(self) -> None:
+        """Drop every layer's draft tier (its device memory) while rounds are plain: commits then write the full
+        tier alone, and `rebuild_draft_tier` compresses it anew before the next draft. Only for compressors that
+        work from K/V alone; query-aware ones cannot rebuild after the prefill."""
+        check_refreshable(self.compressor)
+        if self.phase != "idle":
+            raise RuntimeError(f"VeriCache cannot free its draft tier while {self.phase}.")
+        for layer in self.layers:
+            layer.draft = None
+
+    def rebuild_draft_tier(self) -> None:
+        """Compress the full tier into a new draft tier (after `free_draft_tier`, or to refresh one)."""
+        refresh_draft_tier(self)
+
     @contextmanager
     def drafting(self, draft_length: int) -> Iterator[None]:
         """Up to `draft_length` draft steps. The full tier starts streaming in for the verify pass that follows;
         the drafted tokens are rolled back on exit."""
+        if not self.draft_tier_held:
+            raise RuntimeError("the draft tier was freed; call rebuild_draft_tier() before drafting.")
         self.prefetch(room=draft_length + 1)
         self._draft_dense = bool(self.layers[0].draft.valid.all())
         try:

@@ -1,0 +1,87 @@
+"""The fallback when drafting does not pay (issue 24): rounds turn plain, a K/V-only compressor's draft tier is freed,
+and a later probe rebuilds it from the full tier and drafts again. Output stays equal to stock `generate` through
+every switch. Each call starts from a prior that says plain rounds pay and probes have failed before, as a
+schedule that measured this on an earlier call would carry (so the switches happen at known rounds, not by the
+clock)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache_hf import VeriCache, VeriCacheConfig, VeriCacheStats
+from vericache_hf.compressors import build_compressor
+from vericache_hf.decoding import _schedule_key
+from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
+
+from .conftest import random_prompt
+
+
+def remember_plain_pays(model, config: VeriCacheConfig, ids: torch.Tensor) -> None:
+    """A prior in which drafts were all rejected and two probes failed (the probe interval is 64 plain rounds)."""
+    schedule = CostAwareDraftLength(config)
+    schedule.accepted, schedule.rejections = 0.01, 10.0
+    schedule.draft_step.add(0.01)
+    schedule.plain_step.add(0.01)
+    schedule.verify.add(5, 0.012)
+    schedule.probe_after = CostAwareDraftLength.FREE_AFTER
+    PRIORS.remember(model, _schedule_key(config, ids, None), schedule)
+
+
+def stock(model, ids, mask=None, new=90):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+
+def vericache(model, ids, config, mask=None, new=90):
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+    )
+
+
+@pytest.mark.parametrize("compressor", ["streaming_llm", "kivi", ["knorm", "kivi"]])
+def test_plain_rounds_free_the_draft_tier_and_a_probe_rebuilds_it(model, compressor):
+    ids = random_prompt(48, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row: the rebuilt tier must mask it as the prefill did
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(compressor=compressor, compression_ratio=0.5, stats=stats)
+    remember_plain_pays(model, config, ids)
+    out = vericache(model, ids, config, mask)
+    assert torch.equal(out, stock(model, ids, mask))
+    assert stats.plain_rounds >= 64
+    assert stats.draft_tier_frees >= 1 and stats.draft_tier_rebuilds >= 1
+    assert stats.rounds >= 1  # the probe drafted on the rebuilt tier
+
+
+def test_a_query_aware_draft_tier_is_kept_through_plain_rounds(llama):
+    ids = random_prompt(48, seed=4)
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.5, stats=stats)
+    remember_plain_pays(llama, config, ids)
+    assert torch.equal(vericache(llama, ids, config), stock(llama, ids))
+    assert stats.plain_rounds >= 64 and stats.rounds >= 1
+    assert stats.draft_tier_frees == stats.draft_tier_rebuilds == 0
+
+
+def test_a_freed_draft_tier_must_be_rebuilt_before_drafting(llama):
+    ids = random_prompt(20, seed=5)
+    cache = VeriCache(llama.config.num_hidden_layers, build_compressor("streaming_llm", 0.5))
+    with cache.prefilling(llama, torch.ones_like(ids)):
+        llama(ids, past_key_values=cache, use_cache=True)
+    held = cache.draft_tier_bytes()
+    cache.free_draft_tier()
+    assert not cache.draft_tier_held and cache.draft_tier_bytes() == 0
+    with pytest.raises(RuntimeError, match="rebuild_draft_tier"), cache.drafting(2):
+        pass
+    cache.rebuild_draft_tier()
+    assert cache.draft_tier_held and cache.draft_tier_bytes() == held
+
+    query_aware = VeriCache(llama.config.num_hidden_layers, build_compressor("snapkv", 0.5))
+    with pytest.raises(ValueError, match="cannot be refreshed"):
+        query_aware.free_draft_tier()
