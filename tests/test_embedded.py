@@ -21,6 +21,7 @@ from vericache_tools.prompts import (
     long_code_prompt,
     long_document_qa_example,
     long_document_qa_prompt,
+    long_document_tool_prompt,
 )
 
 needs_model = pytest.mark.skipif(
@@ -172,6 +173,18 @@ def test_long_document_qa_prompt(loaded) -> None:
     assert f"## {item['function']}(" in prompt
     assert item["answer"] and item["answer"] in prompt.replace("\n", " ")
     assert prompt == long_document_qa_prompt(tokenizer, context_tokens=2000)
+
+
+@pytest.mark.slow
+@needs_model
+def test_long_document_tool_prompt(loaded) -> None:
+    _, tokenizer, _ = loaded
+    item = long_document_qa_example(tokenizer, context_tokens=2000, tool_call=True)
+    prompt = item["prompt"]
+    assert 1800 <= _ntokens(tokenizer, prompt) <= 2000
+    assert item["answer"] in item["question"] and '{"name": ' in item["question"]
+    assert item["function"] not in item["question"]  # the request describes the tool without naming it
+    assert prompt == long_document_tool_prompt(tokenizer, context_tokens=2000)
 
 
 @pytest.mark.slow

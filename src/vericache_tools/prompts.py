@@ -364,14 +364,29 @@ def _question(name: str) -> str:
     return f"According to the documentation above, what does the function `{name}` do? Answer in one or two sentences."
 
 
-def long_document_qa_example(tokenizer: Any, context_tokens: int, chat: bool = True) -> dict:
+def _tool_request(name: str, body: str) -> str:
+    """A request to call the function documented by `body`, answered with a short JSON tool call."""
+    return (
+        f"Call one of the functions documented above to do this: {_first_paragraph(body)} Reply with only a JSON "
+        'object of the form {"name": "<module.function>", "arguments": {...}} and nothing else.'
+    )
+
+
+def long_document_qa_example(
+    tokenizer: Any, context_tokens: int, chat: bool = True, tool_call: bool = False
+) -> dict:
     """A long-document QA item: ``prompt``, ``question``, ``function`` (the name asked about) and ``answer``.
 
     The document is standard-library documentation (module, function, class and method docstrings of
     DOC_MODULES, in that order); the question asks what a documented function does, choosing the function whose
     section lies nearest the middle of the document, and ``answer`` is the first paragraph of its docstring.
-    ``context_tokens`` is the target length of the whole prompt.
+    ``context_tokens`` is the target length of the whole prompt. With ``tool_call``, the documentation is a tool
+    catalogue and the request describes the function (without naming it) and asks for a JSON call of it: a short,
+    structured answer.
     """
+
+    def ask(name: str, body: str) -> str:
+        return _tool_request(name, body) if tool_call else _question(name)
 
     def build(document: str, question: str) -> str:
         text = (
@@ -389,16 +404,25 @@ def long_document_qa_example(tokenizer: Any, context_tokens: int, chat: bool = T
         return document, name, body
 
     # Plan with a question of typical length, then shrink the document until the real prompt fits.
-    budget = context_tokens - _count(tokenizer, build("", _question("urllib.parse.function_name")), not chat)
+    typical = ask(
+        "urllib.parse.function_name", "Split a URL into its parts and return them as a named tuple."
+    )
+    budget = context_tokens - _count(tokenizer, build("", typical), not chat)
     while True:
         document, name, body = pick(max(budget, 0))
-        question = _question(name)
+        question = ask(name, body)
         prompt = build(document, question)
         excess = _count(tokenizer, prompt, not chat) - context_tokens
         if excess <= 0 or budget <= 0:
             break
         budget -= excess
     return {"prompt": prompt, "question": question, "function": name, "answer": _first_paragraph(body)}
+
+
+def long_document_tool_prompt(tokenizer: Any, context_tokens: int, chat: bool = True) -> str:
+    """A tool-calling prompt: standard-library documentation as the tool catalogue, then a request answered with a
+    short JSON call of one documented function (see :func:`long_document_qa_example`)."""
+    return long_document_qa_example(tokenizer, context_tokens, chat, tool_call=True)["prompt"]
 
 
 def long_document_qa_prompt(tokenizer: Any, context_tokens: int, chat: bool = True) -> str:

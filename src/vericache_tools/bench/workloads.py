@@ -1,7 +1,9 @@
 """Bench workloads: long prompts of a chosen kind, context length and batch size, tokenized once.
 
-Two kinds, both built from data that ships locally (`vericache_tools.prompts`): `code` (a HumanEval problem behind a
-long stretch of real source code) and `qa` (a question about a function in long library documentation).
+Three kinds, all built from data that ships locally (`vericache_tools.prompts`): `code` (a HumanEval problem behind a
+long stretch of real source code), `qa` (a question about a function in long library documentation) and `tool` (the
+same documentation as a tool catalogue, answered with a short JSON tool call: structured output, where drafts are
+often rejected and answers end early).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("code", "qa")
+KINDS = ("code", "qa", "tool")
 
 
 @dataclass
@@ -52,13 +54,19 @@ class Workload:
 
 
 def _texts(tokenizer: Any, kind: str, context_tokens: int, count: int, first_problem: int):
-    from ..prompts import humaneval_problems, long_code_prompt, long_document_qa_prompt
+    from ..prompts import (
+        humaneval_problems,
+        long_code_prompt,
+        long_document_qa_prompt,
+        long_document_tool_prompt,
+    )
 
     if kind == "code":
         problems = humaneval_problems()[first_problem : first_problem + count]
         return [long_code_prompt(tokenizer, p, context_tokens) for p in problems], problems
     # One document per length: shorten each further prompt a little, so rows differ.
-    texts = [long_document_qa_prompt(tokenizer, context_tokens - 48 * i) for i in range(count)]
+    build = long_document_tool_prompt if kind == "tool" else long_document_qa_prompt
+    texts = [build(tokenizer, context_tokens - 48 * i) for i in range(count)]
     return texts, [None] * count
 
 
