@@ -304,3 +304,40 @@ def test_requests_share_one_transfer_queue_over_an_emulated_link(served):
     assert no_engine_thread_left()
     with pytest.raises(ValueError, match="emulated_link_bytes_per_s must be"):
         VeriCacheConfig(emulated_link_bytes_per_s=-1)
+
+
+def test_a_timeline_records_each_requests_spans_on_its_own_track(served):
+    """Prefill, draft, transfer and verify spans, each on the track of the request it served (a copy too, though
+    the transfer worker made it); outputs stay exact."""
+    timeline = vericache_hf.Timeline()
+    config = VeriCacheConfig(
+        compressor="streaming_llm",
+        compression_ratio=0.75,
+        draft_schedule="fixed",
+        draft_length=4,
+        stage_on_cpu=True,
+        emulated_link_bytes_per_s=50e6,
+        timeline=timeline,
+    )
+    inputs = prompts(3, seed=90)
+    results = generate_batch(served, inputs, max_new_tokens=12, vericache_config=config, max_concurrent=2)
+    for out, prompt in zip(results.values(), inputs, strict=True):
+        assert out.generated_tokens == stock(served, prompt, 12)
+    spans = timeline.to_dicts()
+    assert {span["track"] for span in spans} == set(results)
+    for request_id in results:
+        kinds = [span["kind"] for span in spans if span["track"] == request_id]
+        assert kinds.count("prefill") == 1 and {"draft", "transfer", "verify"} <= set(kinds)
+    assert all(0 <= span["start"] <= span["end"] for span in spans)
+    # a round's copies run behind its draft: some transfer time overlaps drafting
+    assert 0 < timeline.overlap_seconds("transfer", "draft") <= timeline.busy_seconds("transfer")
+    assert "timeline" not in config.to_dict()
+
+
+def test_timeline_measures_union_and_overlap():
+    timeline = vericache_hf.Timeline()
+    for kind, start, end in [("draft", 0, 2), ("draft", 1, 3), ("transfer", 2.5, 4), ("transfer", 5, 6)]:
+        timeline.add(kind, start, end, track="a")
+    assert timeline.busy_seconds("draft") == 3
+    assert timeline.busy_seconds("transfer") == 2.5
+    assert timeline.overlap_seconds("transfer", "draft") == 0.5

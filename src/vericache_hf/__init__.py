@@ -13,6 +13,7 @@ from .decoding import VeriCacheGenerateOutput, generate, warm_prefix
 from .engine import GenerationOutput, RequestStatus, VeriCacheEngine, generate_batch
 from .registration import register, set_default_mode, vericache_generate
 from .stats import VeriCacheStats
+from .timeline import Timeline
 
 register()
 
@@ -23,6 +24,7 @@ __all__ = [
     "GenerationOutput",
     "RefreshPolicy",
     "RequestStatus",
+    "Timeline",
     "TransferError",
     "VeriCache",
     "VeriCacheConfig",

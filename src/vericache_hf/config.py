@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
@@ -59,6 +59,8 @@ class VeriCacheConfig:
             time they would take on a link of this many bytes per second (they sleep, costing no CPU). With
             `stage_on_cpu`, it lets a CPU-only machine study what overlapping transfers buys. None: the real link.
         stats: a `VeriCacheStats` to fill in, besides the one attached to dict outputs.
+        timeline: a `Timeline` to record prefill, draft, transfer and verify spans in (per request in the engine),
+            to plot how requests stagger. None: nothing is recorded.
     """
 
     compressor: Any = "snapkv"
@@ -80,6 +82,7 @@ class VeriCacheConfig:
     prefix_chunk_tokens: int = 256
     emulated_link_bytes_per_s: float | None = None
     stats: Any = field(default=None, repr=False, compare=False)
+    timeline: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from .cache.refresh import RefreshPolicy
@@ -164,8 +167,9 @@ class VeriCacheConfig:
                 "A VeriCacheConfig with a prefix_store cannot be saved in a generation config (a store is a live "
                 "connection); save it with prefix_store=None and pass the store in the config at generate time."
             )
-        data = asdict(self)
+        data = asdict(replace(self, stats=None, timeline=None))  # live objects: not copied, not saved
         data.pop("stats")
+        data.pop("timeline")
         if not isinstance(self.compressor, str):
             data["compressor"] = repr(self.compressor)
         return data

@@ -98,6 +98,7 @@ def generate(
         ),
         plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
         prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
+        timeline=config.timeline,
     )
     settings = _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(config, io.do_sample, PRIORS.recall(model, settings))
@@ -156,6 +157,7 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         stage_on_cpu=config.stage_on_cpu,
         transfers=transfers,
         link_bytes_per_s=config.emulated_link_bytes_per_s,
+        timeline=config.timeline,
     )
     return compressor, cache
 

@@ -7,7 +7,8 @@ Each request is one VeriCache `generate` call on its own cache, run by one of `m
 fails alone with its error in its result, `cancel` ends a request at its next round and frees its cache, and `stop`
 ends every request and leaves no thread behind. Every request's full tier goes to the device through one shared
 transfer queue (one link), so one request's copies run while others draft: requests stagger by themselves rather
-than in planned cohorts. A device-memory budget admits requests by their draft tier and staging buffers
+than in planned cohorts; `VeriCacheConfig(timeline=Timeline())` records each request's prefill, draft, transfer and
+verify spans on a track named after it, to see how they interleave. A device-memory budget admits requests by their draft tier and staging buffers
 (`admission.py`). Batching requests into shared forward passes and planned cohorts are the next steps.
 """
 
@@ -18,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -110,7 +112,9 @@ class VeriCacheEngine:
             config.transfer_timeout,
             config.emulated_link_bytes_per_s,
             slots_per_group=config.staging_buffers,
+            timeline=config.timeline,
         )
+        self.timeline = config.timeline  # each request's spans go on a track named after it
         self.generate_kwargs = {
             "vericache_config": vericache_config,
             "vericache_transfers": self._transfers,
@@ -304,11 +308,17 @@ class VeriCacheEngine:
             return
         with request.changed:
             request.output.status = RequestStatus.PREFILLING
+        track = self.timeline.track(request.output.request_id) if self.timeline is not None else nullcontext()
         try:
             prompt = torch.tensor([request.output.prompt_ids], device=self.model.device)
-            self.model.generate(
-                prompt, generation_mode="vericache", streamer=request, stopping_criteria=criteria, **kwargs
-            )
+            with track:
+                self.model.generate(
+                    prompt,
+                    generation_mode="vericache",
+                    streamer=request,
+                    stopping_criteria=criteria,
+                    **kwargs,
+                )
         except Exception as error:  # noqa: BLE001 - a failing request fails alone, its error in its result
             request.finish(RequestStatus.FAILED, f"{type(error).__name__}: {error}")
             return

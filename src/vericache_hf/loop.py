@@ -24,6 +24,7 @@ from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule, ProposalLength
 from .prefix.reuse import PrefixReuse
 from .proposers import Proposer
+from .timeline import Timeline
 from .verify import choose, greedy_accept, proposal_accept, speculative_accept
 
 
@@ -72,6 +73,7 @@ class DecodeIO:
     proposal_length: ProposalLength | None = None  # how many a draft-tier pass checks
     plain_proposal_length: ProposalLength | None = None  # how many a plain round verifies on the full tier
     prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
+    timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
     started: float = 0.0  # perf_counter() when decoding started
 
 
@@ -375,6 +377,8 @@ def decode(
         stats.first_token_seconds = time.perf_counter() - started
         stats.emitted_tokens += input_ids.shape[0]
     stats.prefill_seconds += time.perf_counter() - started
+    if io.timeline is not None:
+        io.timeline.add("prefill", started, time.perf_counter())
     while any(seqs.unfinished):
         active = [b for b, alive in enumerate(seqs.unfinished) if alive]
         room = max(io.max_length - seqs.lengths[b] for b in active)
@@ -404,6 +408,8 @@ def decode(
         if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
             torch.cuda.current_stream(drafts.device).synchronize()
         draft_seconds = time.perf_counter() - started
+        if io.timeline is not None and drafts.shape[-1] and offered is None:
+            io.timeline.add("draft", started, started + draft_seconds)
         started = time.perf_counter()
         if suffix:
             prefix = input_ids[:, :boundary]
@@ -421,6 +427,8 @@ def decode(
             draft_probs *= real.to(draft_probs.device)[..., None]
         accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
         verify_seconds = time.perf_counter() - started
+        if io.timeline is not None:
+            io.timeline.add("verify", started, started + verify_seconds)
         if suffix:
             stats.first_token_seconds = time.perf_counter() - io.started
         stats.draft_seconds += draft_seconds
@@ -459,6 +467,7 @@ def decode(
             and cache.draft_tier_held
             and not cache.compressor.needs_hidden_states
         ):
+            stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
             cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
             stats.draft_tier_frees += 1
         if cache.refresh_policy is not None and cache.draft_tier_held:

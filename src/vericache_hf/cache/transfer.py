@@ -11,6 +11,7 @@ cancelled. The worker starts on demand and exits when its queue is empty, so an 
 Every wait has a timeout, and an error in the worker fails the transfer (and the rest of its group) and is raised
 in the caller's `wait`.
 
+Each copy is recorded in `timeline`, when one is given, on the track of the thread that queued it.
 `link_bytes_per_s` emulates a slower link, for study on a machine without one (benchmarks only, never on by
 default): after each copy the worker sleeps until the copy has taken the time that many bytes would take on that
 link. It sleeps, so it costs no CPU, and the transfer is not ready until then.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ..checks import check_seconds
+from ..timeline import Timeline
 from .full_tier import HostKVStore, HostSnapshot
 from .staging import StagingBuffers
 
@@ -59,6 +61,7 @@ class LayerTransfer:
     inference_mode: bool = (
         False  # the consumer's grad mode: buffers made under inference_mode need it to be written
     )
+    track: str | None = None  # the timeline track of the thread that queued it
     done: threading.Event = field(default_factory=threading.Event)
     timed: threading.Event = field(default_factory=threading.Event)
     events: dict[str, Any] = field(default_factory=dict)
@@ -91,6 +94,7 @@ class TransferEngine:
         timeout: float = 60.0,
         link_bytes_per_s: float | None = None,
         slots_per_group: int | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         check_seconds("transfer timeout", timeout)
         if link_bytes_per_s is not None and not link_bytes_per_s > 0:
@@ -101,6 +105,7 @@ class TransferEngine:
         self.timeout = float(timeout)
         self.link_bytes_per_s = link_bytes_per_s
         self.slots_per_group = slots_per_group
+        self.timeline = timeline
         self._held: Counter[int] = Counter()  # slots each group holds, by id(group)
         self._lock = threading.RLock()
         self._backlog: deque[LayerTransfer] = deque()
@@ -136,6 +141,7 @@ class TransferEngine:
             label,
             inference_mode=torch.is_inference_mode_enabled(),
             events=events,
+            track=self.timeline.current_track() if self.timeline is not None else None,
         )
         with self._lock:
             store.transfers_in_flight += 1
@@ -289,6 +295,9 @@ class TransferEngine:
             if "end" in transfer.events:
                 transfer.events["end"].synchronize()  # the worker blocks on the copy, never the consumer
                 transfer.seconds = transfer.events["start"].elapsed_time(transfer.events["end"]) / 1000
+            if self.timeline is not None:  # on CUDA the copy ended at about the time its end event was seen
+                ended = time.perf_counter()
+                self.timeline.add("transfer", ended - transfer.seconds, ended, transfer.track)
             transfer.timed.set()
 
     def _emulate_link(self, transfer: LayerTransfer, started: float) -> None:

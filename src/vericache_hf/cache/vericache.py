@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..stats import VeriCacheStats
+from ..timeline import Timeline
 from .capture import LayerInputCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
@@ -152,7 +153,8 @@ class VeriCache(Cache):
     may be on an accelerator at once; `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
     full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
     place. Pass a shared `transfers` engine to serve several caches through one queue (its own buffer count,
-    timeout and link then apply); `link_bytes_per_s` emulates a slower link for a private one (benchmarks only).
+    timeout and link then apply); `link_bytes_per_s` emulates a slower link for a private one (benchmarks only),
+    and its copies are recorded in `timeline` when one is given.
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class VeriCache(Cache):
         refresh_policy: RefreshPolicy | None = None,
         stage_on_cpu: bool = False,
         link_bytes_per_s: float | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         if refresh_policy is not None:
             check_refreshable(compressor)
@@ -178,7 +181,7 @@ class VeriCache(Cache):
         self.transfers = (
             transfers
             if transfers is not None
-            else TransferEngine(staging_buffers, transfer_timeout, link_bytes_per_s)
+            else TransferEngine(staging_buffers, transfer_timeout, link_bytes_per_s, timeline=timeline)
         )
         self.phase = "idle"
         self.prompt_valid: torch.Tensor | None = None
