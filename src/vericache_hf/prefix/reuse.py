@@ -180,13 +180,19 @@ class PrefixReuse:
         if per_work is None:  # nothing measured yet on this model: draft, and measure
             return True
         now = time.perf_counter()
-        if self._layers_done:
+        if self._layers_done:  # the layers to come at the pace so far, less what the next one has had
             per_layer = (self._last_layer_at - self._load_started) / self._layers_done
-            remaining = per_layer * (self.full_print.num_layers - self._layers_done)
+            left = self.full_print.num_layers - self._layers_done
+            remaining = per_layer * left - min(now - self._last_layer_at, per_layer)
         else:
             remaining = self._full_bytes() / self._bytes_per_second - (now - self._load_started)
-        verify = per_work * self._work(width + drafted, self._prefix_tokens)
-        next_pass = 0.0 if drafted else per_work * self._work(width, self._draft_tokens)
+        verify = per_work * self._work(width + drafted + 1, self._prefix_tokens)
+        # the next pass: the suffix block first, then one token after the suffix and the drafts so far
+        next_pass = per_work * (
+            self._work(1, self._draft_tokens + width + drafted)
+            if drafted
+            else self._work(width, self._draft_tokens)
+        )
         return remaining > next_pass + verify
 
     def _full_bytes(self) -> int:
