@@ -283,23 +283,31 @@ def test_model_generate_batch_routes_to_the_engine(served):
         served.generate_batch(inputs, generation_mode="lookahead")
 
 
-def test_requests_share_one_transfer_queue_over_an_emulated_link(served):
-    """The full tier of every request goes through the engine's one queue (staged here with `stage_on_cpu`, over
-    an emulated link), while other requests draft; every output stays exact."""
-    stats = VeriCacheStats()
+def served_over_an_emulated_link(served, inputs, new_tokens: int, **config):
+    """`generate_batch` with every full tier staged through the engine's queue (`stage_on_cpu`) over a 50 MB/s
+    emulated link; checks each output against stock and returns the results."""
     config = VeriCacheConfig(
         compressor="streaming_llm",
         compression_ratio=0.75,
         draft_length=4,
         stage_on_cpu=True,
         emulated_link_bytes_per_s=50e6,
-        stats=stats,
+        **config,
     )
-    inputs = prompts(4, seed=80)
-    results = generate_batch(served, inputs, max_new_tokens=16, vericache_config=config, max_concurrent=2)
+    results = generate_batch(
+        served, inputs, max_new_tokens=new_tokens, vericache_config=config, max_concurrent=2
+    )
     for out, prompt in zip(results.values(), inputs, strict=True):
         assert out.status == RequestStatus.FINISHED, out.error
-        assert out.generated_tokens == stock(served, prompt, 16)
+        assert out.generated_tokens == stock(served, prompt, new_tokens)
+    return results
+
+
+def test_requests_share_one_transfer_queue_over_an_emulated_link(served):
+    """The full tier of every request goes through the engine's one queue (staged here with `stage_on_cpu`, over
+    an emulated link), while other requests draft; every output stays exact."""
+    stats = VeriCacheStats()
+    served_over_an_emulated_link(served, prompts(4, seed=80), 16, stats=stats)
     assert stats.bytes_to_device > 0 and stats.transfer_seconds >= stats.bytes_to_device / 50e6
     assert no_engine_thread_left()
     with pytest.raises(ValueError, match="emulated_link_bytes_per_s must be"):
@@ -310,19 +318,9 @@ def test_a_timeline_records_each_requests_spans_on_its_own_track(served):
     """Prefill, draft, transfer and verify spans, each on the track of the request it served (a copy too, though
     the transfer worker made it); outputs stay exact."""
     timeline = vericache_hf.Timeline()
-    config = VeriCacheConfig(
-        compressor="streaming_llm",
-        compression_ratio=0.75,
-        draft_schedule="fixed",
-        draft_length=4,
-        stage_on_cpu=True,
-        emulated_link_bytes_per_s=50e6,
-        timeline=timeline,
+    results = served_over_an_emulated_link(
+        served, prompts(3, seed=90), 12, draft_schedule="fixed", timeline=timeline
     )
-    inputs = prompts(3, seed=90)
-    results = generate_batch(served, inputs, max_new_tokens=12, vericache_config=config, max_concurrent=2)
-    for out, prompt in zip(results.values(), inputs, strict=True):
-        assert out.generated_tokens == stock(served, prompt, 12)
     spans = timeline.to_dicts()
     assert {span["track"] for span in spans} == set(results)
     for request_id in results:
@@ -331,7 +329,7 @@ def test_a_timeline_records_each_requests_spans_on_its_own_track(served):
     assert all(0 <= span["start"] <= span["end"] for span in spans)
     # a round's copies run behind its draft: some transfer time overlaps drafting
     assert 0 < timeline.overlap_seconds("transfer", "draft") <= timeline.busy_seconds("transfer")
-    assert "timeline" not in config.to_dict()
+    assert "timeline" not in VeriCacheConfig(timeline=timeline).to_dict()
 
 
 def test_timeline_measures_union_and_overlap():
