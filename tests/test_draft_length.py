@@ -14,6 +14,7 @@ from vericache_hf.draft_length import (
     AcceptanceDraftLength,
     CostAwareDraftLength,
     DraftLengthSchedule,
+    ProposalLength,
     RunningLinearFit,
     draft_length_schedule,
 )
@@ -132,6 +133,20 @@ def test_priors_are_kept_per_model_and_settings(llama):
     assert PRIORS.recall(llama, _schedule_key(other, ids, None)) is None
     PRIORS.forget(llama)
     assert PRIORS.recall(llama, _schedule_key(config, ids, None)) is None
+
+
+def test_proposals_are_offered_only_where_a_wider_pass_pays_for_itself():
+    # one-token passes take 50 ms, wider ones 75 ms and more; a quarter of proposals is kept (runs of about 0.3)
+    gate = ProposalLength(limit=10)
+    offers = []
+    for i in range(200):
+        m = gate.current
+        offers.append(m)
+        kept = [1 if m and i % 4 == 0 else 0]
+        gate.observe(1 + m, 0.05 if not m else 0.075 + 0.001 * (1 + m), [m], kept)
+    assert offers[:2] == [0, 10]  # both kinds of pass measured first
+    assert sum(m == 0 for m in offers) > 0.9 * len(offers)
+    assert gate.tokens_per_second(0) == pytest.approx(1 / 0.05)
 
 
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])

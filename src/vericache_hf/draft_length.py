@@ -216,9 +216,12 @@ class ProposalLength:
         (1 + beta + ... + beta^m) / pass_seconds(1 + m),
 
     where `beta` is the measured share of proposed tokens the draft tier keeps (a run: a row's first rejection ends
-    it) and a pass's time is a running linear fit in its width, proposer included. m = 0 (the draft tier alone)
-    wins when proposals are rarely kept; then a probe now and then re-measures, as in `CostAwareDraftLength`.
-    The draft length schedule sees the result as a cheaper draft step, so it drafts longer when proposals pay.
+    it) and a pass's time is a running linear fit in its width, proposer included. A one-token pass (m = 0) is
+    priced by one-token passes, measured apart, for the reason `CostAwareDraftLength` prices plain rounds apart.
+    The first pass offers nothing and the second `limit`, so both are measured before choosing. m = 0 (the draft
+    tier alone) wins when proposals are rarely kept; then a probe now and then re-measures, as in
+    `CostAwareDraftLength`. The draft length schedule sees the result as a cheaper draft step, so it drafts longer
+    when proposals pay.
     """
 
     DECAY = 0.9  # per pass: the text changes, and with it what the proposer finds
@@ -227,9 +230,10 @@ class ProposalLength:
 
     def __init__(self, limit: int, fixed: bool = False) -> None:
         self.limit, self.fixed = limit, fixed  # fixed: always offer `limit` (the fixed draft schedule)
-        self.current = limit  # try proposals first: they are measured at once
+        self.current = limit if fixed else 0  # a pass without proposals first, then one with them
         self.kept, self.rejections = 3.0, 1.0  # a weak prior: beta = 0.75
-        self.pass_seconds = RunningLinearFit(self.DECAY)
+        self.pass_seconds = RunningLinearFit(self.DECAY)  # passes of 2 or more tokens
+        self.single = RunningMean(self.DECAY)  # one-token passes
         self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
 
     @property
@@ -240,11 +244,17 @@ class ProposalLength:
         """One draft-tier pass of `width` tokens that took `seconds`; rows were offered and kept these counts."""
         if self.fixed:
             return
-        self.pass_seconds.add(width, seconds)
+        if width > 1:
+            self.pass_seconds.add(width, seconds)
+        else:
+            self.single.add(seconds)
         asked = [(o, k) for o, k in zip(offered, kept, strict=True) if o]
         if asked:
             self.kept = self.DECAY * self.kept + sum(k for _, k in asked)
             self.rejections = self.DECAY * self.rejections + sum(k < o for o, k in asked)
+        if not self.single.weight or not self.pass_seconds.n:  # measure both kinds of pass before choosing
+            self.current = 0 if not self.single.weight else self.limit
+            return
         best = max(range(self.limit + 1), key=self.tokens_per_second)
         if best:
             self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
@@ -262,7 +272,7 @@ class ProposalLength:
 
     def tokens_per_second(self, m: int) -> float:
         expected = (1 - self.beta ** (m + 1)) / (1 - self.beta)
-        seconds = self.pass_seconds.predict(1 + m)
+        seconds = self.single.value if not m and self.single.weight else self.pass_seconds.predict(1 + m)
         return expected / seconds if seconds > 0 else float(m)
 
 
