@@ -22,6 +22,7 @@ import torch
 
 import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.timeline import KINDS
 from vericache_tools.embedded import load_embedded_model
 from vericache_tools.prompts import humaneval_problems, long_code_prompt
 from vericache_tools.report import save_results
@@ -97,7 +98,7 @@ def ratio(seconds: float, timeline) -> float:
     return seconds / busy if busy else 0.0
 
 
-COLORS = {"prefill": "tab:gray", "draft": "tab:blue", "transfer": "tab:orange", "verify": "tab:green"}
+COLORS = dict(zip(KINDS, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True))
 
 
 def plot_timelines(rows: list[dict], link_gbps: float, out: Path) -> None:

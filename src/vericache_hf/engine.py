@@ -8,8 +8,8 @@ fails alone with its error in its result, `cancel` ends a request at its next ro
 ends every request and leaves no thread behind. Every request's full tier goes to the device through one shared
 transfer queue (one link), so one request's copies run while others draft: requests stagger by themselves rather
 than in planned cohorts; `VeriCacheConfig(timeline=Timeline())` records each request's prefill, draft, transfer and
-verify spans on a track named after it, to see how they interleave. A device-memory budget admits requests by their draft tier and staging buffers
-(`admission.py`). Batching requests into shared forward passes and planned cohorts are the next steps.
+verify spans on a track named after it, to see how they interleave. A device-memory budget admits requests by their
+draft tier and staging buffers (`admission.py`). Batching requests into shared forward passes and planned cohorts are the next steps.
 """
 
 from __future__ import annotations

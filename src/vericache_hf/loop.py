@@ -395,7 +395,6 @@ def decode(
         if most:
             if not cache.draft_tier_held:  # drafting resumes after plain rounds freed the draft tier
                 cache.rebuild_draft_tier()
-                stats.draft_tier_rebuilds += 1
                 started = time.perf_counter()  # a draft step's cost leaves the rebuild out (compress_seconds)
             with cache.drafting(most):  # the full tier streams in meanwhile
                 more = reuse.keep_drafting if loading else None
@@ -462,14 +461,8 @@ def decode(
         width = int(counts.max())
         valid = torch.arange(width)[None, :] < counts[:, None]
         cache.commit(width, valid)
-        if (
-            not schedule.keeps_draft_tier
-            and cache.draft_tier_held
-            and not cache.compressor.needs_hidden_states
-        ):
-            stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
+        if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
             cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
-            stats.draft_tier_frees += 1
         if cache.refresh_policy is not None and cache.draft_tier_held:
             mean_accepted = sum(accepted_active) / len(active) if k else None  # a plain round says nothing
             cache.refresh_policy.after_commit(cache, width, mean_accepted)

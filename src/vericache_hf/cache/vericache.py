@@ -292,19 +292,27 @@ class VeriCache(Cache):
         """False after `free_draft_tier`, until `rebuild_draft_tier`."""
         return self.layers[0].draft is not None
 
+    @property
+    def draft_tier_rebuildable(self) -> bool:
+        """Whether the compressor can build the draft tier from the full tier alone (no prompt queries needed)."""
+        return not self.compressor.needs_hidden_states
+
     def free_draft_tier(self) -> None:
         """Drop every layer's draft tier (its device memory) while rounds are plain: commits then write the full
         tier alone, and `rebuild_draft_tier` compresses it anew before the next draft. Only for compressors that
-        work from K/V alone; query-aware ones cannot rebuild after the prefill."""
+        work from K/V alone; query-aware ones cannot rebuild after the prefill. Its size is recorded first."""
         check_refreshable(self.compressor)
         if self.phase != "idle":
             raise RuntimeError(f"VeriCache cannot free its draft tier while {self.phase}.")
+        self.stats.draft_tier_bytes = max(self.stats.draft_tier_bytes, self.draft_tier_bytes())
         for layer in self.layers:
             layer.draft = None
+        self.stats.draft_tier_frees += 1
 
     def rebuild_draft_tier(self) -> None:
-        """Compress the full tier into a new draft tier (after `free_draft_tier`, or to refresh one)."""
+        """Compress the full tier into a new draft tier after `free_draft_tier` (its time in compress_seconds)."""
         refresh_draft_tier(self)
+        self.stats.draft_tier_rebuilds += 1
 
     @contextmanager
     def drafting(self, draft_length: int) -> Iterator[None]:
