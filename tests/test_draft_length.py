@@ -11,7 +11,9 @@ import pytest
 from vericache_hf import VeriCacheConfig
 from vericache_hf.draft_length import (
     PRIORS,
+    AcceptanceCurve,
     AcceptanceDraftLength,
+    Calibration,
     CostAwareDraftLength,
     DraftLengthSchedule,
     ProposalLength,
@@ -147,6 +149,44 @@ def test_proposals_are_offered_only_where_a_wider_pass_pays_for_itself():
     assert offers[:2] == [0, 10]  # both kinds of pass measured first
     assert sum(m == 0 for m in offers) > 0.9 * len(offers)
     assert gate.tokens_per_second(0) == pytest.approx(1 / 0.05)
+
+
+def test_acceptance_is_measured_per_position_not_assumed_geometric():
+    # rows rejected at their first draft or right through 8 (all or nothing): a run of k <= 8 yields 1 + k / 2
+    curve = AcceptanceCurve(decay=0.8, size=64)
+    for _ in range(30):
+        curve.add([(8, 0), (8, 8)])
+    assert curve.expected(1) == pytest.approx(1.5, abs=0.05)
+    assert curve.expected(8) == pytest.approx(5.0, abs=0.1)  # one rate for every position (8/9) says 5.9
+    # geometric runs (each draft kept with probability 3/4) are priced as geometric
+    geometric = AcceptanceCurve(decay=0.99, size=64)
+    for run in [0, 1, 2, 3, 8, 8, 8, 8] * 40:  # P(run >= j) = (3/4)^j up to 4; a censored tail
+        geometric.add([(8, run if run < 4 else 8)] if run < 8 else [(8, 8)])
+    assert geometric.hazards(3) == pytest.approx([1 / 8, 1 / 7, 1 / 6], abs=0.02)
+
+
+def test_the_commit_into_both_tiers_is_part_of_a_round_s_price():
+    # a drafted round's verify pass is cheap, but committing what it accepted (quantizing into the draft tier)
+    # costs as much as a plain round: with the commit priced, the third round is plain; without, it drafts
+    def third_round(commit_seconds: float) -> int:
+        schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
+        schedule.observe(0, [0, 0], 0.0, 0.05, verified=1, commit_seconds=0.001)
+        schedule.observe(8, [4, 4], 8 * 0.02, 0.06, commit_seconds=commit_seconds)
+        return schedule.current
+
+    assert third_round(0.001) > 0
+    assert third_round(0.2) == 0
+
+
+def test_calibration_is_measured_over_predicted_time_and_starts_at_one():
+    calibration = Calibration(decay=0.95)
+    assert calibration.factor == 1.0
+    for _ in range(50):
+        calibration.add(predicted_seconds=0.1, seconds=0.12)
+    assert calibration.factor == pytest.approx(1.2, abs=0.03)
+    once = Calibration(decay=0.95)
+    once.add(predicted_seconds=0.1, seconds=0.4)  # one slow round moves it a third of the way
+    assert once.factor == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])

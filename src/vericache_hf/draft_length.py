@@ -38,9 +38,10 @@ class DraftLengthSchedule:
         draft_seconds: float,
         verify_seconds: float,
         verified: int | None = None,
+        commit_seconds: float = 0.0,
     ) -> None:
-        """After a round that drafted `drafted` tokens on the draft tier and verified a block of `verified` tokens
-        (drafted + 1, or in a plain round with a proposer, its proposals + 1)."""
+        """After a round that drafted `drafted` tokens on the draft tier, verified a block of `verified` tokens
+        (drafted + 1, or in a plain round with a proposer, its proposals + 1) and committed what it accepted."""
 
 
 class AcceptanceDraftLength(DraftLengthSchedule):
@@ -50,7 +51,9 @@ class AcceptanceDraftLength(DraftLengthSchedule):
     def __init__(self, config: VeriCacheConfig) -> None:
         super().__init__(config)
 
-    def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
+    def observe(
+        self, drafted, accepted, draft_seconds, verify_seconds, verified=None, commit_seconds=0.0
+    ) -> None:
         if drafted < self.current or not accepted:
             return  # a draft cut short by the length budget says nothing about how far drafts run
         mean_accepted = sum(accepted) / len(accepted)
@@ -63,9 +66,11 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
         E[tokens | k] / (k * draft_step_seconds + verify_seconds(k + 1)),
 
-    where each drafted token is accepted with probability `alpha` (estimated from recent rounds, so
-    E = 1 + alpha + ... + alpha^k, the bonus token included), a draft step's time is a running mean, and a verify
-    pass's time is a running linear fit in the tokens it checks. k = 0, a plain round, is priced by what plain
+    where E[tokens | k] = 1 + S(1) + ... + S(k) (the bonus token, then each draft position j reached with the
+    measured probability S(j), an `AcceptanceCurve` over recent rounds), a draft step's time is a running mean, and
+    a verify pass's time, with the commit of what it accepted into both tiers, is a running linear fit in the tokens
+    it checks. A drafted round's predicted time is then scaled by a `Calibration`, measured over predicted seconds of
+    the drafted rounds so far, so that a near tie the fits misjudge is settled by what rounds really cost. k = 0, a plain round, is priced by what plain
     rounds took, measured apart: a one-token pass takes the decode path (no mask, no multi-token attention), which a
     fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms against a fitted 78 ms). k = 0 wins when
     drafts are rejected early and a draft step costs nearly as much as a full-cache step (a CPU at short context);
@@ -87,25 +92,26 @@ class CostAwareDraftLength(DraftLengthSchedule):
     #: what a call measured, carried to the next call on the same model and settings (the probe interval too:
     #: probes that kept failing in earlier calls are not repeated at the start of every call)
     ESTIMATES = (
-        "accepted",
-        "rejections",
+        "acceptance",
         "draft_step",
         "verify",
         "plain_step",
         "plain_gain",
         "plain_width",
         "probe_after",
+        "calibration",
     )
 
     def __init__(self, config: VeriCacheConfig, prior: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self.first_length = config.draft_length
-        self.accepted, self.rejections = 3.0, 1.0  # a weak prior: alpha = 0.75
+        self.acceptance = AcceptanceCurve(self.ACCEPTANCE_DECAY, self.high)
         self.draft_step = RunningMean(self.COST_DECAY)
         self.verify = RunningLinearFit(self.COST_DECAY)  # passes that check 2 or more tokens
         self.plain_step = RunningMean(self.COST_DECAY)  # a whole plain round without proposals
         # plain rounds with a proposer verify its tokens too: what they gain, and how wide they are
         self.plain_gain, self.plain_width = RunningMean(self.COST_DECAY), RunningMean(self.COST_DECAY)
+        self.calibration = Calibration(self.COST_DECAY)  # of drafted rounds
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
         if prior:
             for name in self.ESTIMATES:
@@ -120,24 +126,22 @@ class CostAwareDraftLength(DraftLengthSchedule):
         """A copy of what this schedule measured, for the next call's `prior`."""
         return {name: copy.deepcopy(getattr(self, name)) for name in self.ESTIMATES}
 
-    @property
-    def alpha(self) -> float:
-        return min(0.999, self.accepted / (self.accepted + self.rejections))
-
-    def observe(self, drafted, accepted, draft_seconds, verify_seconds, verified=None) -> None:
+    def observe(
+        self, drafted, accepted, draft_seconds, verify_seconds, verified=None, commit_seconds=0.0
+    ) -> None:
         width = verified or drafted + 1
+        if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
+            self.calibration.add(self.price(drafted)[1], draft_seconds + verify_seconds + commit_seconds)
         if width > 1:
-            self.verify.add(width, verify_seconds)
+            self.verify.add(width, verify_seconds + commit_seconds)
         elif accepted:  # a plain round of one token: the round's whole time, as a stock step's
-            self.plain_step.add(draft_seconds + verify_seconds)
+            self.plain_step.add(draft_seconds + verify_seconds + commit_seconds)
         if not drafted and accepted:  # a plain round, with a proposer's tokens verified or (width 1) without
             self.plain_gain.add(sum(accepted) / len(accepted))
             self.plain_width.add(width)
         if drafted and accepted:
             self.draft_step.add(draft_seconds / drafted)
-            # a row that took all k drafts was not rejected: it says alpha is high, not how high
-            self.accepted = self.ACCEPTANCE_DECAY * self.accepted + sum(accepted)
-            self.rejections = self.ACCEPTANCE_DECAY * self.rejections + sum(n < drafted for n in accepted)
+            self.acceptance.add([(drafted, n) for n in accepted])
         self.current = self._next(drafted)
 
     def _next(self, drafted: int) -> int:
@@ -160,8 +164,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
             return min(self.high, max(self.low, self.PROBE_LENGTH))
         return 0
 
-    def tokens_per_second(self, k: int) -> float:
-        """Expected tokens per row and second for a round that drafts k."""
+    def price(self, k: int) -> tuple[float, float]:
+        """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated)."""
         if not k:  # a plain round: one token, plus what a proposer's verified tokens added
             width = self.plain_width.value or 1
             seconds = (
@@ -169,10 +173,13 @@ class CostAwareDraftLength(DraftLengthSchedule):
                 if width < 1.5 and self.plain_step.weight
                 else self.verify.predict(width)
             )
-            expected = 1 + self.plain_gain.value
-        else:
-            expected = (1 - self.alpha ** (k + 1)) / (1 - self.alpha)
-            seconds = k * self.draft_step.value + self.verify.predict(k + 1)
+            return 1 + self.plain_gain.value, seconds
+        return self.acceptance.expected(k), k * self.draft_step.value + self.verify.predict(k + 1)
+
+    def tokens_per_second(self, k: int) -> float:
+        """Expected tokens per row and second for a round that drafts k, drafted rounds calibrated."""
+        expected, seconds = self.price(k)
+        seconds *= self.calibration.factor if k else 1.0
         return expected / seconds if seconds > 0 else 0.0
 
 
@@ -213,13 +220,14 @@ class ProposalLength:
     one for plain rounds, which verify proposals on the full tier): the m in {0..limit} with the most tokens per
     second,
 
-        (1 + beta + ... + beta^m) / pass_seconds(1 + m),
+        E[tokens | m] / pass_seconds(1 + m),
 
-    where `beta` is the measured share of proposed tokens the draft tier keeps (a run: a row's first rejection ends
-    it) and a pass's time is a running linear fit in its width, proposer included. A one-token pass (m = 0) is
+    where E[tokens | m] = 1 + S(1) + ... + S(m), S(j) the measured probability that the draft tier keeps a row's
+    j-th proposal (an `AcceptanceCurve`: a row's first rejection ends its run) and a pass's time is a running linear fit in its width, proposer included. A one-token pass (m = 0) is
     priced by one-token passes, measured apart, for the reason `CostAwareDraftLength` prices plain rounds apart.
     The first pass offers nothing and the second `limit`, so both are measured before choosing. m = 0 (the draft
-    tier alone) wins when proposals are rarely kept; then a probe now and then re-measures, as in
+    tier alone) wins when proposals are rarely kept (passes with proposals are priced with a `Calibration`, as
+    `CostAwareDraftLength` prices drafted rounds); then a probe now and then re-measures, as in
     `CostAwareDraftLength`. The draft length schedule sees the result as a cheaper draft step, so it drafts longer
     when proposals pay.
     """
@@ -231,27 +239,27 @@ class ProposalLength:
     def __init__(self, limit: int, fixed: bool = False) -> None:
         self.limit, self.fixed = limit, fixed  # fixed: always offer `limit` (the fixed draft schedule)
         self.current = limit if fixed else 0  # a pass without proposals first, then one with them
-        self.kept, self.rejections = 3.0, 1.0  # a weak prior: beta = 0.75
+        self.acceptance = AcceptanceCurve(self.DECAY, limit)
         self.pass_seconds = RunningLinearFit(self.DECAY)  # passes of 2 or more tokens
         self.single = RunningMean(self.DECAY)  # one-token passes
+        self.calibration = Calibration(self.DECAY)  # of passes that offered proposals
         self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
-
-    @property
-    def beta(self) -> float:
-        return min(0.999, self.kept / (self.kept + self.rejections))
 
     def observe(self, width: int, seconds: float, offered: list[int], kept: list[int]) -> None:
         """One draft-tier pass of `width` tokens that took `seconds`; rows were offered and kept these counts."""
         if self.fixed:
             return
+        asked = [(o, k) for o, k in zip(offered, kept, strict=True) if o]
+        if (
+            asked and self.pass_seconds.n and self.single.weight
+        ):  # a pass this model priced: how it really went
+            self.calibration.add(self.price(width - 1)[1], seconds)
         if width > 1:
             self.pass_seconds.add(width, seconds)
         else:
             self.single.add(seconds)
-        asked = [(o, k) for o, k in zip(offered, kept, strict=True) if o]
         if asked:
-            self.kept = self.DECAY * self.kept + sum(k for _, k in asked)
-            self.rejections = self.DECAY * self.rejections + sum(k < o for o, k in asked)
+            self.acceptance.add(asked)
         if not self.single.weight or not self.pass_seconds.n:  # measure both kinds of pass before choosing
             self.current = 0 if not self.single.weight else self.limit
             return
@@ -270,9 +278,15 @@ class ProposalLength:
         else:
             self.current = 0
 
+    def price(self, m: int) -> tuple[float, float]:
+        """The model's expected tokens per row, and seconds, of a pass offering m proposals (uncalibrated)."""
+        return self.acceptance.expected(
+            m
+        ), self.single.value if not m and self.single.weight else self.pass_seconds.predict(1 + m)
+
     def tokens_per_second(self, m: int) -> float:
-        expected = (1 - self.beta ** (m + 1)) / (1 - self.beta)
-        seconds = self.single.value if not m and self.single.weight else self.pass_seconds.predict(1 + m)
+        expected, seconds = self.price(m)
+        seconds *= self.calibration.factor if m else 1.0
         return expected / seconds if seconds > 0 else float(m)
 
 
@@ -289,6 +303,80 @@ class RunningMean:
     @property
     def value(self) -> float:
         return self.total / self.weight if self.weight else 0.0
+
+
+class AcceptanceCurve:
+    """How far drafted runs get: per draft position j, how many rows reached it and how many were rejected there
+    (a Kaplan-Meier estimate, each older round weighing `decay` times less). S(j), the chance that a run reaches
+    past position j, is the product of (1 - hazard) up to j. One acceptance rate for every position (geometric
+    runs) is the special case of a flat hazard; real drafts are often not geometric (a row rejected at its first
+    token is often right on the rest of a long run), and a single rate then misprices long drafts. A position with
+    few rows behind it leans on the pooled hazard of all positions (which starts from a weak prior of 0.25): past
+    the drafts measured, runs are priced as geometric, not as sure."""
+
+    def __init__(self, decay: float, size: int) -> None:
+        self.decay = decay
+        self.reached, self.rejected = [0.0] * size, [0.0] * size
+        self.all_reached, self.all_rejected = 4.0, 1.0  # the prior: a quarter of positions reject
+
+    def add(self, runs: list[tuple[int, int]]) -> None:
+        """One round's rows: (drafted, accepted) each, accepted <= drafted."""
+        d = self.decay
+        self.reached, self.rejected = [d * n for n in self.reached], [d * n for n in self.rejected]
+        self.all_reached, self.all_rejected = d * self.all_reached, d * self.all_rejected
+        for drafted, accepted in runs:
+            reached = min(accepted + 1, drafted, len(self.reached))
+            for j in range(reached):
+                self.reached[j] += 1
+            self.all_reached += min(accepted + 1, drafted)
+            if accepted < drafted:
+                self.all_rejected += 1
+                if accepted < len(self.rejected):
+                    self.rejected[accepted] += 1
+
+    def hazards(self, k: int) -> list[float]:
+        """The chance a run that reached position j (0-based) is rejected there, for j < k."""
+        pooled = self.all_rejected / self.all_reached if self.all_reached > 0 else 0.25
+        out = []
+        for j in range(k):
+            hazard = pooled
+            if j < len(self.reached):
+                hazard = (self.rejected[j] + pooled) / (self.reached[j] + 1)
+            out.append(min(1.0, max(0.001, hazard)))
+        return out
+
+    def expected(self, k: int) -> float:
+        """Expected tokens a row gets from a round of k drafts: the bonus token plus each position reached."""
+        total = survive = 1.0
+        for hazard in self.hazards(k):
+            survive *= 1 - hazard
+            total += survive
+        return total
+
+
+class Calibration:
+    """Measured over predicted seconds of the rounds (or passes) a cost model priced: the ratio of decayed sums,
+    pulled toward 1.0 as if `PRIOR_ROUNDS` rounds had cost what was predicted. Prices are scaled by it, which
+    corrects what the model's fits leave out (a cost that does not grow linearly with width, a draft step whose
+    cost depends on k). Tokens are not calibrated: one round's yield is too noisy (all or nothing) to correct by."""
+
+    PRIOR_ROUNDS = 2.0
+
+    def __init__(self, decay: float) -> None:
+        self.predicted, self.measured = RunningMean(decay), RunningMean(decay)
+
+    def add(self, predicted_seconds: float, seconds: float) -> None:
+        self.predicted.add(predicted_seconds)
+        self.measured.add(seconds)
+
+    @property
+    def factor(self) -> float:
+        """Measured seconds per predicted second."""
+        if self.predicted.value <= 0:
+            return 1.0
+        weight = self.measured.weight
+        ratio = self.measured.value / self.predicted.value
+        return (weight * ratio + self.PRIOR_ROUNDS) / (weight + self.PRIOR_ROUNDS)
 
 
 class RunningLinearFit:

@@ -393,9 +393,11 @@ def decode(
         offered = propose_to_full_tier(io, seqs, pending) if plain_proposals else None
         most = min(schedule.high, room - 1) if loading else k  # draft on while the full prefix loads
         if most:
-            if not cache.draft_tier_held:  # drafting resumes after plain rounds freed the draft tier
-                cache.rebuild_draft_tier()
-                started = time.perf_counter()  # a draft step's cost leaves the rebuild out (compress_seconds)
+            if (
+                not cache.draft_tier_held
+            ):  # the first draft after a deferring prefill, or after plain rounds freed it
+                cache.build_draft_tier()
+                started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
             with cache.drafting(most):  # the full tier streams in meanwhile
                 more = reuse.keep_drafting if loading else None
                 drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs, more, most)
@@ -432,6 +434,8 @@ def decode(
             stats.first_token_seconds = time.perf_counter() - io.started
         stats.draft_seconds += draft_seconds
         stats.verify_seconds += verify_seconds
+        if not k:
+            stats.plain_round_seconds += draft_seconds + verify_seconds
 
         for b in active:
             for step in range(accepted[b] + 1):
@@ -452,15 +456,28 @@ def decode(
             io.plain_proposal_length.observe(
                 drafts.shape[-1] + 1, draft_seconds + verify_seconds, [counts[b] for b in active], kept
             )
+        if any(seqs.unfinished):
+            started = time.perf_counter()
+            block = pending.shape[-1] if suffix else 1  # tokens committed besides the accepted drafts
+            counts = torch.tensor([accepted[b] + block if b in active else 0 for b in range(len(accepted))])
+            width = int(counts.max())
+            valid = torch.arange(width)[None, :] < counts[:, None]
+            cache.commit(width, valid)
+            commit_seconds = time.perf_counter() - started
+            stats.commit_seconds += commit_seconds
+        else:
+            commit_seconds = 0.0
         if not suffix:  # a first round after a prefix prefilled the suffix too: not a draft round's cost
-            schedule.observe(k, accepted_active, draft_seconds, verify_seconds, verified=drafts.shape[-1] + 1)
+            schedule.observe(
+                k,
+                accepted_active,
+                draft_seconds,
+                verify_seconds,
+                verified=drafts.shape[-1] + 1,
+                commit_seconds=commit_seconds,
+            )
         if not any(seqs.unfinished):
             break
-        block = pending.shape[-1] if suffix else 1  # tokens committed besides the accepted drafts
-        counts = torch.tensor([accepted[b] + block if b in active else 0 for b in range(len(accepted))])
-        width = int(counts.max())
-        valid = torch.arange(width)[None, :] < counts[:, None]
-        cache.commit(width, valid)
         if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
             cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
         if cache.refresh_policy is not None and cache.draft_tier_held:

@@ -22,15 +22,18 @@ class VeriCacheStats:
     `transfer_wait_seconds` the time the verify pass waited on them; the rest was hidden behind drafting and
     compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
     (the full tier's layer buffers) are device memory; `full_tier_bytes` is host memory. `compress_seconds` is the
-    compressor's share of `prefill_seconds` (and of refreshes).
+    compressor's time: at prefill (a share of `prefill_seconds`), in refreshes and in builds.
 
     Drafting: `draft_forwards` counts draft-tier passes (one per drafted token without a proposer). With a proposer
     (hierarchical drafting), `proposed_tokens` were offered, per row: to the draft tier, which kept
     `proposal_kept_tokens`, or in plain rounds straight to the full tier, which accepted `proposals_verified_kept`.
     `draft_forwards_per_token` is draft-tier passes per drafted position.
 
-    Plain rounds for a long while free a K/V-only compressor's draft tier (`draft_tier_frees`); drafting again
-    rebuilds it from the full tier (`draft_tier_rebuilds`, its time in `compress_seconds`).
+    A K/V-only compressor on a layer that reads its full tier in place builds the draft tier when drafting first
+    needs it, not at prefill, and plain rounds for a long while free it (`draft_tier_frees`); each build from the
+    full tier counts in `draft_tier_builds`, its time in `compress_seconds`. `commit_seconds` is the time spent
+    writing accepted tokens into the tiers, `plain_round_seconds` the part of draft and verify time spent in rounds
+    that drafted nothing.
 
     Prefix store (`VeriCacheConfig(prefix_store=...)`): `prefix_tokens_reused` came from the store instead of a
     prefill, for which `prefix_compressed_bytes` (the draft tier, fetched first) and `prefix_full_bytes` (streamed in
@@ -68,7 +71,9 @@ class VeriCacheStats:
     first_draft_seconds: float = 0.0
     first_token_seconds: float = 0.0
     draft_tier_frees: int = 0
-    draft_tier_rebuilds: int = 0
+    draft_tier_builds: int = 0
+    commit_seconds: float = 0.0
+    plain_round_seconds: float = 0.0
     accepted_per_round: list[float] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     _merging: ClassVar[threading.Lock] = threading.Lock()  # calls on several threads may merge into one

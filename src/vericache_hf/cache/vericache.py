@@ -3,7 +3,8 @@ on the host), driven through explicit phases. Each phase is a context manager th
 exit, error included; nothing outside this class writes the phase.
 
 - `prefilling(model, valid)`: the prompt's exact K/V go to the full tier and the compressor builds the draft tier
-  from them (with each layer's input captured, for compressors that score with queries);
+  from them (with each layer's input captured, for compressors that score with queries), or, for a K/V-only
+  compressor on a layer that reads its full tier in place, leaves that to `build_draft_tier` when drafting starts;
 - `drafting(k)`: drafted tokens go after the draft tier's committed slots; the full tier starts streaming to the
   device for the next verify pass; on exit the drafts are rolled back (the draft tier holds only committed tokens);
 - `verifying()`: attention reads the whole full tier, then the new tokens, whose exact K/V are kept as pending;
@@ -96,6 +97,8 @@ class VeriCacheLayer(CacheLayerMixin):
             raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
         owner = self.owner
         owner.stats.bytes_to_host += self.full.append(keys, values)
+        if owner.defers_compression(self):
+            return keys, values  # `build_draft_tier` compresses these very K/V when drafting first needs them
         context = owner.captured(self.layer_idx) or CompressionContext(self.layer_idx, owner.prompt_valid)
         started = time.perf_counter()
         self.draft = owner.compressor.compress(keys, values, context)
@@ -128,7 +131,7 @@ class VeriCacheLayer(CacheLayerMixin):
             self.owner.stats.bytes_to_host += self.full.commit_in_place(count)
         else:
             self.owner.stats.bytes_to_host += self.full.append(keys, values)
-        if self.draft is not None:  # a freed draft tier is rebuilt from the full tier, not kept up
+        if self.draft is not None:  # a deferred or freed draft tier is built from the full tier, not kept up
             self.draft.commit(keys, values, valid.to(keys.device))
         self.pending = None
 
@@ -287,9 +290,16 @@ class VeriCache(Cache):
         """The layer input captured in this prefill, if the compressor asked for it."""
         return self._capture.pop(layer_idx) if self._capture is not None else None
 
+    def defers_compression(self, layer: VeriCacheLayer) -> bool:
+        """Whether the prefill leaves this layer's draft tier to `build_draft_tier`: a K/V-only compressor on a layer
+        that reads its full tier in place compresses the same K/V later at no transfer cost. The first token then
+        does not wait for compression, and a call whose rounds are all plain never compresses. On an accelerator
+        the prompt's K/V are compressed while they are on the device, as before."""
+        return self.draft_tier_rebuildable and layer.reads_in_place
+
     @property
     def draft_tier_held(self) -> bool:
-        """False after `free_draft_tier`, until `rebuild_draft_tier`."""
+        """False while the draft tier is deferred (see `defers_compression`) or freed, until `build_draft_tier`."""
         return self.layers[0].draft is not None
 
     @property
@@ -299,7 +309,7 @@ class VeriCache(Cache):
 
     def free_draft_tier(self) -> None:
         """Drop every layer's draft tier (its device memory) while rounds are plain: commits then write the full
-        tier alone, and `rebuild_draft_tier` compresses it anew before the next draft. Only for compressors that
+        tier alone, and `build_draft_tier` compresses it anew before the next draft. Only for compressors that
         work from K/V alone; query-aware ones cannot rebuild after the prefill. Its size is recorded first."""
         check_refreshable(self.compressor)
         if self.phase != "idle":
@@ -309,17 +319,19 @@ class VeriCache(Cache):
             layer.draft = None
         self.stats.draft_tier_frees += 1
 
-    def rebuild_draft_tier(self) -> None:
-        """Compress the full tier into a new draft tier after `free_draft_tier` (its time in compress_seconds)."""
+    def build_draft_tier(self) -> None:
+        """Compress the full tier into the draft tier, deferred at prefill or freed (its time in compress_seconds)."""
         refresh_draft_tier(self)
-        self.stats.draft_tier_rebuilds += 1
+        self.stats.draft_tier_builds += 1
 
     @contextmanager
     def drafting(self, draft_length: int) -> Iterator[None]:
         """Up to `draft_length` draft steps. The full tier starts streaming in for the verify pass that follows;
         the drafted tokens are rolled back on exit."""
         if not self.draft_tier_held:
-            raise RuntimeError("the draft tier was freed; call rebuild_draft_tier() before drafting.")
+            raise RuntimeError(
+                "the draft tier is not built (deferred at prefill, or freed); call build_draft_tier() before drafting."
+            )
         self.prefetch(room=draft_length + 1)
         self._draft_dense = bool(self.layers[0].draft.valid.all())
         try:

@@ -262,6 +262,8 @@ class PrefixReuse:
         full = [
             (layer.full.keys[:1, :, :length], layer.full.values[:1, :, :length]) for layer in cache.layers
         ]
+        if not cache.draft_tier_held:  # the prefill deferred it: the store keeps the compressed prefix too
+            cache.build_draft_tier()
         state = {}
         for i, layer in enumerate(cache.layers):
             state.update({f"layer.{i}.{name}": t[:1] for name, t in layer.draft.export().items()})
