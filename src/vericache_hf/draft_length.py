@@ -149,7 +149,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
             return 0  # price a plain round first: it costs a stock step
         if not self.draft_step.weight:
             return self.first_length  # then price drafting
-        best = max([0, *range(self.low, self.high + 1)], key=self.tokens_per_second)
+        curve = self.acceptance.expectations(self.high)
+        best = max([0, *range(self.low, self.high + 1)], key=lambda k: self.tokens_per_second(k, curve))
         if best:
             self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
             return best
@@ -164,8 +165,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
             return min(self.high, max(self.low, self.PROBE_LENGTH))
         return 0
 
-    def price(self, k: int) -> tuple[float, float]:
-        """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated)."""
+    def price(self, k: int, curve: list[float] | None = None) -> tuple[float, float]:
+        """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated); `curve` is
+        `acceptance.expectations(...)`, when already computed."""
         if not k:  # a plain round: one token, plus what a proposer's verified tokens added
             width = self.plain_width.value or 1
             seconds = (
@@ -174,11 +176,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
                 else self.verify.predict(width)
             )
             return 1 + self.plain_gain.value, seconds
-        return self.acceptance.expected(k), k * self.draft_step.value + self.verify.predict(k + 1)
+        expected = curve[k] if curve is not None else self.acceptance.expected(k)
+        return expected, k * self.draft_step.value + self.verify.predict(k + 1)
 
-    def tokens_per_second(self, k: int) -> float:
+    def tokens_per_second(self, k: int, curve: list[float] | None = None) -> float:
         """Expected tokens per row and second for a round that drafts k, drafted rounds calibrated."""
-        expected, seconds = self.price(k)
+        expected, seconds = self.price(k, curve)
         seconds *= self.calibration.factor if k else 1.0
         return expected / seconds if seconds > 0 else 0.0
 
@@ -263,7 +266,8 @@ class ProposalLength:
         if not self.single.weight or not self.pass_seconds.n:  # measure both kinds of pass before choosing
             self.current = 0 if not self.single.weight else self.limit
             return
-        best = max(range(self.limit + 1), key=self.tokens_per_second)
+        curve = self.acceptance.expectations(self.limit)
+        best = max(range(self.limit + 1), key=lambda m: self.tokens_per_second(m, curve))
         if best:
             self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
             self.current = best
@@ -278,14 +282,14 @@ class ProposalLength:
         else:
             self.current = 0
 
-    def price(self, m: int) -> tuple[float, float]:
+    def price(self, m: int, curve: list[float] | None = None) -> tuple[float, float]:
         """The model's expected tokens per row, and seconds, of a pass offering m proposals (uncalibrated)."""
-        return self.acceptance.expected(
-            m
-        ), self.single.value if not m and self.single.weight else self.pass_seconds.predict(1 + m)
+        expected = curve[m] if curve is not None else self.acceptance.expected(m)
+        seconds = self.single.value if not m and self.single.weight else self.pass_seconds.predict(1 + m)
+        return expected, seconds
 
-    def tokens_per_second(self, m: int) -> float:
-        expected, seconds = self.price(m)
+    def tokens_per_second(self, m: int, curve: list[float] | None = None) -> float:
+        expected, seconds = self.price(m, curve)
         seconds *= self.calibration.factor if m else 1.0
         return expected / seconds if seconds > 0 else float(m)
 
@@ -345,13 +349,18 @@ class AcceptanceCurve:
             out.append(min(1.0, max(0.001, hazard)))
         return out
 
-    def expected(self, k: int) -> float:
-        """Expected tokens a row gets from a round of k drafts: the bonus token plus each position reached."""
-        total = survive = 1.0
-        for hazard in self.hazards(k):
+    def expectations(self, most: int) -> list[float]:
+        """Expected tokens a row gets from a round of k drafts, for k = 0..most: the bonus token plus each position
+        reached (one pass over the curve, since the schedule weighs every k each round)."""
+        out = [1.0]
+        survive = 1.0
+        for hazard in self.hazards(most):
             survive *= 1 - hazard
-            total += survive
-        return total
+            out.append(out[-1] + survive)
+        return out
+
+    def expected(self, k: int) -> float:
+        return self.expectations(k)[k]
 
 
 class Calibration:

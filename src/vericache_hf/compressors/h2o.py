@@ -38,22 +38,26 @@ class H2OCompressor(ScorerCompressor):
         check_int("H2OCompressor.chunk_size", self.chunk_size, 1)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
-        batch, kv_heads, length, _ = keys.shape
+        batch, kv_heads, length, dim = keys.shape
         queries = window_queries(context, length).float()  # (B, H_q, T, D)
         group = queries.shape[1] // kv_heads
-        expanded = keys.float().repeat_interleave(group, dim=1).transpose(-1, -2)  # (B, H_q, D, T)
+        # the query heads that share a KV head go side by side, so one matmul per KV head serves them all
+        queries = queries.view(batch, kv_heads, group, length, dim)
+        keys_t = keys.float().transpose(-1, -2)[:, :, None]  # (B, H_kv, 1, D, T)
         valid = context.valid.to(keys.device)
         key_pos = torch.arange(length, device=keys.device)
-        scores = keys.new_zeros((batch, queries.shape[1], length), dtype=torch.float32)
+        scores = keys.new_zeros((batch, kv_heads, length), dtype=torch.float32)
         for start in range(0, length, self.chunk_size):
-            stop = min(start + self.chunk_size, length)
-            logits = queries[:, :, start:stop] @ expanded * context.module.scaling  # (B, H_q, c, T)
-            causal = key_pos[None, :] <= torch.arange(start, stop, device=keys.device)[:, None]
-            allowed = causal[None, None] & valid[:, None, None, :]
-            weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
-            weights = weights * valid[:, None, start:stop, None]  # padding queries add nothing
-            scores += weights.sum(2)
-        scores = scores.view(batch, kv_heads, group, length).sum(2)
+            stop = min(start + self.chunk_size, length)  # causal: these queries see keys [0, stop) only
+            # (B, H_kv, group, chunk, stop)
+            logits = queries[..., start:stop, :] @ keys_t[..., :stop] * context.module.scaling
+            causal = key_pos[None, :stop] <= torch.arange(start, stop, device=keys.device)[:, None]
+            allowed = causal[None, None, None] & valid[:, None, None, None, :stop]
+            # a real query always sees itself, so a finite fill never leaves it a row of nothing; padding queries'
+            # rows are zeroed below
+            weights = logits.masked_fill_(~allowed, torch.finfo(logits.dtype).min).softmax(-1)
+            weights = weights * valid[:, None, None, start:stop, None]
+            scores[..., :stop] += weights.sum((2, 3))
         if self.recent_size:
             scores[..., -self.recent_size :] = scores.max() + 1
         return scores
