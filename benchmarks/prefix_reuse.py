@@ -155,6 +155,8 @@ def row(method, backend, prefix, gbit, ttft, total, same, args, stats: VeriCache
             "compressed_mib": round(stats.prefix_compressed_bytes / 2**20, 1),
             "full_mib": round(stats.prefix_full_bytes / 2**20, 1),
             "store_wait_s": round(stats.prefix_wait_seconds, 3),
+            "load_s": round(stats.prefix_load_seconds, 3),
+            "load_cpu_s": round(stats.prefix_load_cpu_seconds, 3),
             "first_draft_s": round(stats.first_draft_seconds, 3),
             "first_round_drafts": stats.draft_lengths[0] if stats.draft_lengths else 0,
             "first_round_accepted": stats.accepted_per_round[0] if stats.accepted_per_round else 0,

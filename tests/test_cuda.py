@@ -2,7 +2,8 @@
 pinned host memory, copied layer by layer into staging buffers on the transfer engine's own CUDA stream, greedy
 output equal to stock `generate` (float64, so batched and sequential passes agree to the last bit), a failure in the
 worker raised in the caller, and a model split across devices by accelerate with each layer's tiers on that layer's
-device (the GPU layers staged, the CPU layers reading their full tier in place).
+device (the GPU layers staged, the CPU layers reading their full tier in place), and engine workers each computing on
+its own CUDA stream.
 
 Skipped without CUDA. On a GPU machine: `python -m pytest tests/test_cuda.py`."""
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from vericache_hf import VeriCacheConfig
+from vericache_hf import VeriCacheConfig, VeriCacheEngine
 from vericache_hf.cache.full_tier import HostSnapshot
 from vericache_hf.cache.staging import buffer_tokens
 from vericache_hf.cache.transfer import TransferError
@@ -135,3 +137,28 @@ def test_a_model_split_between_the_gpu_and_the_cpu_keeps_each_layers_tiers_on_it
     stats = out.vericache_stats
     assert stats.accepted_tokens > 0
     assert stats.chunk_transfers == 2 * (stats.rounds + stats.plain_rounds)
+
+
+def test_engine_workers_compute_on_their_own_streams(cuda_llama):
+    """Each engine worker's requests run on a CUDA stream of its own (not the shared default stream), and every
+    request stays exact."""
+    seen = []
+
+    class Recorder(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(torch.cuda.current_stream().cuda_stream)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    prompts = [random_prompt(60 + 10 * i, seed=20 + i)[0].tolist() for i in range(4)]
+    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.5)
+    with VeriCacheEngine(cuda_llama, config, max_concurrent=2, do_sample=False) as engine:
+        ids = engine.add_requests(
+            prompts, max_new_tokens=NEW_TOKENS, stopping_criteria=StoppingCriteriaList([Recorder()])
+        )
+        results = [engine.get_result(request_id, timeout=120) for request_id in ids]
+    default = torch.cuda.default_stream().cuda_stream
+    assert seen and default not in seen
+    for prompt, result in zip(prompts, results, strict=True):
+        ids = torch.tensor([prompt], device="cuda")
+        expected = cuda_llama.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(prompt) :]
+        assert result.generated_tokens == expected.tolist()

@@ -69,6 +69,7 @@ def test_saved_and_reused_prefix_match_stock(model, make_store, compressor):
             assert stats.prefix_full_bytes > 0
             assert stats.prefix_compressed_bytes > 0
             assert stats.first_token_seconds > 0
+            assert 0 < stats.prefix_load_cpu_seconds <= stats.prefix_load_seconds + 0.01  # one thread's CPU
     # a quarter of the tokens, or 4-bit codes for all but the last 32 (KIVI's full-precision residual)
     assert stats.prefix_compressed_bytes < (0.4 if compressor in ("snapkv", "streaming_llm") else 0.6) * (
         stats.prefix_full_bytes

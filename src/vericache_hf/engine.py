@@ -6,10 +6,12 @@ Each request is one VeriCache `generate` call on its own cache, run by one of `m
 (VeriCache calls are thread-safe, see `cache/vericache.py`). Requests join and leave at any time, a failing request
 fails alone with its error in its result, `cancel` ends a request at its next round and frees its cache, and `stop`
 ends every request and leaves no thread behind. Every request's full tier goes to the device through one shared
-transfer queue (one link), so one request's copies run while others draft: requests stagger by themselves rather
-than in planned cohorts; `VeriCacheConfig(timeline=Timeline())` records each request's prefill, draft, transfer and
-verify spans on a track named after it, to see how they interleave. A device-memory budget admits requests by their
-draft tier and staging buffers (`admission.py`). Batching requests into shared forward passes and planned cohorts are the next steps.
+transfer queue (one link, its own CUDA stream), so one request's copies run while others draft; on CUDA each worker
+also computes on its own stream, so a verify pass waiting for its copies stalls no other request's drafting:
+requests stagger by themselves rather than in planned cohorts. `VeriCacheConfig(timeline=Timeline())` records each
+request's prefill, draft, transfer and verify spans on a track named after it, to see how they interleave. A
+device-memory budget admits requests by their draft tier and staging buffers (`admission.py`). Batching requests into
+shared forward passes and planned cohorts are the next steps.
 """
 
 from __future__ import annotations
@@ -288,12 +290,17 @@ class VeriCacheEngine:
 
     # -- the workers --------------------------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            request = self._pending.get()
-            if request is _STOP:
-                return
-            self._serve(request)
-            self._finished.put(request.output.request_id)
+        # On CUDA each worker runs its requests on its own stream: a verify pass that waits for its full tier's copy
+        # (an event on the worker's stream) then holds back only its own request, not another's draft steps.
+        device = self.model.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            while True:
+                request = self._pending.get()
+                if request is _STOP:
+                    return
+                self._serve(request)
+                self._finished.put(request.output.request_id)
 
     def _serve(self, request: _Request) -> None:
         request.output.lifespan = (time.perf_counter(), -1)

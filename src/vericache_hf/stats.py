@@ -37,7 +37,9 @@ class VeriCacheStats:
 
     Prefix store (`VeriCacheConfig(prefix_store=...)`): `prefix_tokens_reused` came from the store instead of a
     prefill, for which `prefix_compressed_bytes` (the draft tier, fetched first) and `prefix_full_bytes` (streamed in
-    behind) were read; `prefix_wait_seconds` is the time decoding waited on the store. `first_draft_seconds` and
+    behind) were read; `prefix_wait_seconds` is the time decoding waited on the store. The full prefix's load ran for
+    `prefix_load_seconds`, of which its thread was on a CPU `prefix_load_cpu_seconds` (replies, checksums, copies):
+    near the whole load, it competed with drafting for the cores. `first_draft_seconds` and
     `first_token_seconds` run from the start of decoding to the first drafted token and to the first verified one.
     """
 
@@ -68,6 +70,8 @@ class VeriCacheStats:
     prefix_compressed_bytes: int = 0
     prefix_full_bytes: int = 0
     prefix_wait_seconds: float = 0.0
+    prefix_load_seconds: float = 0.0
+    prefix_load_cpu_seconds: float = 0.0
     first_draft_seconds: float = 0.0
     first_token_seconds: float = 0.0
     draft_tier_frees: int = 0

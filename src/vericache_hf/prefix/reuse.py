@@ -146,6 +146,8 @@ class PrefixReuse:
         """The loader thread: append each layer's prefix to its host full tier as it arrives, layer by layer, and
         tell the cache, so that a verify pass can run behind the load."""
         length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
+        # this thread's own CPU time: what the load takes from drafting on a small CPU
+        cpu_started = time.thread_time()
         try:
             for layer, keys, values, nbytes in self.prefixes.iter_layers(prefix_ids[:1], self.full_print):
                 if self._cancel.is_set():
@@ -160,6 +162,8 @@ class PrefixReuse:
         except BaseException as error:  # reported by wait_full_tier, on the caller's thread
             self._error = error
         finally:
+            self.stats.prefix_load_seconds += time.perf_counter() - self._load_started
+            self.stats.prefix_load_cpu_seconds += time.thread_time() - cpu_started
             cache.loading_stopped()
 
     def keep_drafting(self, first_pass_seconds: float, width: int, drafted: int) -> bool:
