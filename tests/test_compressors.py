@@ -173,10 +173,15 @@ def test_refresh_policy_triggers_and_rejects():
         check_refreshable(SnapKVCompressor(0.5))
 
 
-@pytest.mark.parametrize("factory", [lambda: KIVICompressor(bits=2, **SMALL), lambda: FP8Compressor(**SMALL)])
+@pytest.mark.parametrize(
+    "factory",
+    [lambda: KIVICompressor(bits=2, **SMALL), lambda: FP8Compressor(**SMALL)],
+    ids=["kivi2", "fp8"],  # codecs whose groups are independent (HQQ's optimiser and bnb's blocks are not)
+)
 def test_a_quantized_store_reads_each_group_as_its_codec_decodes_it(factory):
-    """Committed tokens read back as the codec's round trip of their whole group (quantized once, in place), the
-    residual exactly; the byte count is the quantized form plus the residual."""
+    """Committed tokens read back as the codec's round trip of their whole group (quantized once, in place, the
+    groups a prompt or a commit makes ready all in one codec call), the residual exactly; the byte count is the
+    quantized form plus the residual."""
     torch.manual_seed(0)
     keys, values = torch.randn(2, 1, 2, 45, 16, dtype=torch.float64)
     compressor = factory()
@@ -205,3 +210,33 @@ def test_the_documented_custom_compressor_runs_losslessly():
 
     example = Path(__file__).resolve().parents[1] / "examples" / "custom_compressor.py"
     runpy.run_path(str(example), run_name="__main__")  # asserts equality with stock generate itself
+
+
+def _accumulated_attention(queries, keys, valid, scaling):
+    """H2O's definition, written out: each key's causal softmax weight summed over the real queries and the query
+    heads of its KV head, from the whole (T x T) attention matrix."""
+    (batch, heads, length, _), kv_heads = queries.shape, keys.shape[1]
+    keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+    allowed = torch.ones(length, length, dtype=torch.bool).tril() & valid[:, None, None, :]
+    weights = (queries @ keys.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf")).softmax(-1)
+    weights = weights.nan_to_num(0.0) * valid[:, None, :, None]  # padding queries attend to nothing
+    return weights.sum(-2).view(batch, kv_heads, -1, length).sum(2)
+
+
+@pytest.mark.parametrize("path", ["flash", "chunked"])
+def test_h2o_accumulates_each_keys_attention_over_the_later_real_queries(path):
+    """Both ways H2O sums attention (the CPU flash kernel's two passes, and query chunks elsewhere) give the
+    definition's numbers, on a left-padded batch with grouped query heads and a length no chunk divides."""
+    from vericache_hf.compressors.h2o import _accumulated_flash  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    queries, keys = 2 * torch.randn(2, 6, 37, 16), 2 * torch.randn(2, 2, 37, 16)
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[1, :5] = False
+    compressor = H2OCompressor(chunk_size=8)
+    accumulate = _accumulated_flash if path == "flash" else compressor._accumulated_chunked
+    scores = accumulate(queries, keys, valid, 0.25)
+    expected = _accumulated_attention(queries, keys, valid, 0.25)
+    assert scores.shape == (2, 2, 37)
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(scores[1, :, :5], torch.zeros(2, 5))  # padding keys get nothing
