@@ -77,6 +77,47 @@ def test_cost_aware_steps_plainly_when_drafts_miss_and_cost_as_much_as_a_step():
     assert all(lengths[i] == CostAwareDraftLength.PROBE_LENGTH for i in probes)
 
 
+def probes(
+    schedule, rounds: int, draft_step: float, plain_step: float, tokens: int, tier_held=True
+) -> list[int]:
+    """Rounds (indices) that drafted, in a call of `tokens` tokens whose drafts are rejected after one token, with
+    the loop's `remaining` and `tier_held` passed as the loop passes them."""
+    drafted, emitted = [], 0
+    for i in range(rounds):
+        k = schedule.current
+        accepted = [min(k, 1)] * 2
+        emitted += accepted[0] + 1
+        verify = plain_step if not k else 0.012 + 0.003 * (k + 1)
+        schedule.observe(
+            k, accepted, k * draft_step, verify, remaining=max(0, tokens - emitted), tier_held=tier_held
+        )
+        if k:
+            drafted.append(i)
+    return drafted
+
+
+def test_a_probe_comes_only_where_it_can_pay():
+    """A probe must be able to earn back its cost over the tokens left: not where a draft step costs what a plain
+    round does (not even drafts that always run through would beat it), not near the end of an answer, and not
+    where rebuilding a freed draft tier costs more than drafting could ever save."""
+    # a draft step at a quarter, two thirds, or all of a plain round's 0.012 s
+    cheap, middling, dear = 0.003, 0.008, 0.012
+    # perfect drafts would pay: probes come through a long answer, as before
+    for step in (cheap, middling):
+        assert len(probes(CostAwareDraftLength(VeriCacheConfig()), 300, step, 0.012, tokens=10_000)) > 3
+    # a draft step that costs a plain round: after the first drafted round, no probe at all
+    assert probes(CostAwareDraftLength(VeriCacheConfig()), 300, dear, 0.012, tokens=10_000) == [1]
+    # near the end of an answer: of 30 tokens, the 11 left after 16 plain rounds cannot repay a probe
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    assert probes(schedule, 30, middling, 0.012, tokens=30) == [1]
+    assert schedule.probe_pays(4, 10_000, True, schedule.acceptance.expectations(schedule.high))
+    # a freed tier whose rebuild takes 30 s: no probe, where the same schedule with the tier held would
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    schedule.observe_build(30.0)
+    assert probes(schedule, 300, cheap, 0.012, tokens=2_000, tier_held=False) == [1]
+    assert len(probes(CostAwareDraftLength(VeriCacheConfig()), 300, cheap, 0.012, tokens=2_000)) > 3
+
+
 def test_cost_aware_returns_to_drafting_when_a_probe_runs_through():
     # a draft step at 30% of a verify pass: drafting pays only while drafts are accepted
     schedule = CostAwareDraftLength(VeriCacheConfig())

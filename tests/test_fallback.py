@@ -1,8 +1,8 @@
 """The fallback when drafting does not pay (issue 24): rounds turn plain, a K/V-only compressor's draft tier is built
 only when a draft first needs it (not at prefill), freed after failed probes, and built again from the full tier by
-the next probe. Output stays equal to stock `generate` through every switch. Each call starts from a prior that says plain rounds pay and probes have failed before, as a
-schedule that measured this on an earlier call would carry (so the switches happen at known rounds, not by the
-clock)."""
+the next probe. Output stays equal to stock `generate` through every switch. Each call starts from a prior that says
+plain rounds pay and probes have failed before, as a schedule that measured this on an earlier call would carry (so
+the switches happen at known rounds, not by the clock)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def remember_plain_pays(model, config: VeriCacheConfig, ids: torch.Tensor) -> No
     schedule.verify.add(5, 0.012)
     schedule.probe_after = CostAwareDraftLength.FREE_AFTER
     PRIORS.remember(model, _schedule_key(config, ids, None), schedule)
+
+
+@pytest.fixture(autouse=True)
+def probes_are_due(monkeypatch):
+    """Every due probe runs: whether one can pay reads the clock (a tiny model's draft step costs what a plain
+    round does, so none would), and these tests put the switches at known rounds. `probe_pays` has its own tests."""
+    monkeypatch.setattr(CostAwareDraftLength, "probe_pays", lambda *args: True)
 
 
 def stock(model, ids, mask=None, new=90):

@@ -39,9 +39,16 @@ class DraftLengthSchedule:
         verify_seconds: float,
         verified: int | None = None,
         commit_seconds: float = 0.0,
+        remaining: int | None = None,
+        tier_held: bool = True,
     ) -> None:
         """After a round that drafted `drafted` tokens on the draft tier, verified a block of `verified` tokens
-        (drafted + 1, or in a plain round with a proposer, its proposals + 1) and committed what it accepted."""
+        (drafted + 1, or in a plain round with a proposer, its proposals + 1) and committed what it accepted.
+        `remaining` is how many tokens a row may still emit (None: unknown); `tier_held`, whether the draft tier is
+        there to draft on now (when not, drafting first pays `observe_build`'s cost)."""
+
+    def observe_build(self, seconds: float) -> None:
+        """The draft tier was built (a deferred prefill's, or one freed by plain rounds) in `seconds`."""
 
 
 class AcceptanceDraftLength(DraftLengthSchedule):
@@ -52,7 +59,15 @@ class AcceptanceDraftLength(DraftLengthSchedule):
         super().__init__(config)
 
     def observe(
-        self, drafted, accepted, draft_seconds, verify_seconds, verified=None, commit_seconds=0.0
+        self,
+        drafted,
+        accepted,
+        draft_seconds,
+        verify_seconds,
+        verified=None,
+        commit_seconds=0.0,
+        remaining=None,
+        tier_held=True,
     ) -> None:
         if drafted < self.current or not accepted:
             return  # a draft cut short by the length budget says nothing about how far drafts run
@@ -75,7 +90,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
     fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms against a fitted 78 ms). k = 0 wins when
     drafts are rejected early and a draft step costs nearly as much as a full-cache step (a CPU at short context);
     then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
-    acceptance, at growing intervals while probes keep failing. On an accelerator the verify pass also pays for
+    acceptance, at growing intervals while probes keep failing, and only where it can pay (`probe_pays`). On an accelerator the verify pass also pays for
     streaming the full tier, which the fit sees, so long drafts win there, as they should.
 
     With nothing measured yet, the first round is plain (it costs what a stock step costs, and prices k = 0) and
@@ -100,6 +115,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
         "plain_width",
         "probe_after",
         "calibration",
+        "build",
     )
 
     def __init__(self, config: VeriCacheConfig, prior: dict[str, Any] | None = None) -> None:
@@ -112,6 +128,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
         # plain rounds with a proposer verify its tokens too: what they gain, and how wide they are
         self.plain_gain, self.plain_width = RunningMean(self.COST_DECAY), RunningMean(self.COST_DECAY)
         self.calibration = Calibration(self.COST_DECAY)  # of drafted rounds
+        self.build = RunningMean(self.COST_DECAY)  # building the draft tier (deferred, or after a free)
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
         if prior:
             for name in self.ESTIMATES:
@@ -127,7 +144,15 @@ class CostAwareDraftLength(DraftLengthSchedule):
         return {name: copy.deepcopy(getattr(self, name)) for name in self.ESTIMATES}
 
     def observe(
-        self, drafted, accepted, draft_seconds, verify_seconds, verified=None, commit_seconds=0.0
+        self,
+        drafted,
+        accepted,
+        draft_seconds,
+        verify_seconds,
+        verified=None,
+        commit_seconds=0.0,
+        remaining=None,
+        tier_held=True,
     ) -> None:
         width = verified or drafted + 1
         if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
@@ -142,9 +167,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
         if drafted and accepted:
             self.draft_step.add(draft_seconds / drafted)
             self.acceptance.add([(drafted, n) for n in accepted])
-        self.current = self._next(drafted)
+        self.current = self._next(drafted, remaining, tier_held)
 
-    def _next(self, drafted: int) -> int:
+    def observe_build(self, seconds: float) -> None:
+        self.build.add(seconds)
+
+    def _next(self, drafted: int, remaining: int | None = None, tier_held: bool = True) -> int:
         if not self.plain_step.weight and not self.plain_width.weight:
             return 0  # price a plain round first: it costs a stock step
         if not self.draft_step.weight:
@@ -160,10 +188,34 @@ class CostAwareDraftLength(DraftLengthSchedule):
             self.plain_rounds = 0
         self.probing = False
         self.plain_rounds += 1
-        if self.plain_rounds > self.probe_after:
+        probe = min(self.high, max(self.low, self.PROBE_LENGTH))
+        if self.plain_rounds > self.probe_after and self.probe_pays(probe, remaining, tier_held, curve):
             self.probing = True
-            return min(self.high, max(self.low, self.PROBE_LENGTH))
+            return probe
         return 0
+
+    def probe_pays(self, k: int, remaining: int | None, tier_held: bool, curve: list[float]) -> bool:
+        """Whether a probe of k drafts can earn back what it costs: what it loses against plain rounds (its round,
+        calibrated, plus building the draft tier when it is not held, less the tokens it is expected to bring) must
+        be less than the most that drafting could save over the `remaining` tokens, were every draft accepted (at
+        the best length, priced by the same fits). Near the end of an answer, or where even perfect drafts would
+        barely beat a plain step, a probe cannot pay."""
+        if remaining is None:
+            return True
+        plain_tokens, plain_seconds = self.price(0)
+        plain_rate = plain_tokens / plain_seconds if plain_seconds > 0 else 0.0
+        if plain_rate <= 0:
+            return True
+        factor = self.calibration.factor
+        prices = [(j + 1, self.price(j, curve)[1] * factor) for j in range(max(1, self.low), self.high + 1)]
+        best_rate = max(tokens / seconds if seconds > 0 else float("inf") for tokens, seconds in prices)
+        if best_rate <= plain_rate:
+            return False  # not even a draft that is always accepted beats a plain step
+        expected, seconds = self.price(k, curve)
+        cost = seconds * factor + (0.0 if tier_held else self.build.value)
+        loss = cost - expected / plain_rate
+        most_saved = remaining / plain_rate * (1 - plain_rate / best_rate)
+        return most_saved > loss
 
     def price(self, k: int, curve: list[float] | None = None) -> tuple[float, float]:
         """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated); `curve` is

@@ -397,6 +397,7 @@ def decode(
                 not cache.draft_tier_held
             ):  # the first draft after a deferring prefill, or after plain rounds freed it
                 cache.build_draft_tier()
+                schedule.observe_build(time.perf_counter() - started)
                 started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
             with cache.drafting(most):  # the full tier streams in meanwhile
                 more = reuse.keep_drafting if loading else None
@@ -475,6 +476,8 @@ def decode(
                 verify_seconds,
                 verified=drafts.shape[-1] + 1,
                 commit_seconds=commit_seconds,
+                remaining=max((io.max_length - seqs.lengths[b] for b in active), default=0),
+                tier_held=cache.draft_tier_held,
             )
         if not any(seqs.unfinished):
             break
