@@ -55,20 +55,7 @@ class AcceptanceDraftLength(DraftLengthSchedule):
     """Double the draft while rounds are fully accepted; after a rejection, aim a little past the accepted run
     (1.5x + 1). A same-model draft often runs tens of tokens, so the schedule climbs there in a few rounds."""
 
-    def __init__(self, config: VeriCacheConfig) -> None:
-        super().__init__(config)
-
-    def observe(
-        self,
-        drafted,
-        accepted,
-        draft_seconds,
-        verify_seconds,
-        verified=None,
-        commit_seconds=0.0,
-        remaining=None,
-        tier_held=True,
-    ) -> None:
+    def observe(self, drafted, accepted, *costs, **horizon) -> None:  # costs and the horizon play no part
         if drafted < self.current or not accepted:
             return  # a draft cut short by the length budget says nothing about how far drafts run
         mean_accepted = sum(accepted) / len(accepted)
@@ -85,13 +72,15 @@ class CostAwareDraftLength(DraftLengthSchedule):
     measured probability S(j), an `AcceptanceCurve` over recent rounds), a draft step's time is a running mean, and
     a verify pass's time, with the commit of what it accepted into both tiers, is a running linear fit in the tokens
     it checks. A drafted round's predicted time is then scaled by a `Calibration`, measured over predicted seconds of
-    the drafted rounds so far, so that a near tie the fits misjudge is settled by what rounds really cost. k = 0, a plain round, is priced by what plain
-    rounds took, measured apart: a one-token pass takes the decode path (no mask, no multi-token attention), which a
-    fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms against a fitted 78 ms). k = 0 wins when
+    the drafted rounds so far, so that a near tie the fits misjudge is settled by what rounds really cost. k = 0, a
+    plain round, is priced by what plain rounds took, measured apart: a one-token pass takes the decode path (no
+    mask, no multi-token attention), which a fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms
+    against a fitted 78 ms). k = 0 wins when
     drafts are rejected early and a draft step costs nearly as much as a full-cache step (a CPU at short context);
     then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
-    acceptance, at growing intervals while probes keep failing, and only where it can pay (`probe_pays`). On an accelerator the verify pass also pays for
-    streaming the full tier, which the fit sees, so long drafts win there, as they should.
+    acceptance, at growing intervals while probes keep failing, and only where it can pay (`probe_pays`). On an
+    accelerator the verify pass also pays for streaming the full tier, which the fit sees, so long drafts win there,
+    as they should.
 
     With nothing measured yet, the first round is plain (it costs what a stock step costs, and prices k = 0) and
     the second drafts `draft_length` (it prices drafting); the third is chosen from both. Given a `prior` (what
@@ -278,8 +267,9 @@ class ProposalLength:
         E[tokens | m] / pass_seconds(1 + m),
 
     where E[tokens | m] = 1 + S(1) + ... + S(m), S(j) the measured probability that the draft tier keeps a row's
-    j-th proposal (an `AcceptanceCurve`: a row's first rejection ends its run) and a pass's time is a running linear fit in its width, proposer included. A one-token pass (m = 0) is
-    priced by one-token passes, measured apart, for the reason `CostAwareDraftLength` prices plain rounds apart.
+    j-th proposal (an `AcceptanceCurve`: a row's first rejection ends its run) and a pass's time is a running linear
+    fit in its width, proposer included. A one-token pass (m = 0) is priced by one-token passes, measured apart, for
+    the reason `CostAwareDraftLength` prices plain rounds apart.
     The first pass offers nothing and the second `limit`, so both are measured before choosing. m = 0 (the draft
     tier alone) wins when proposals are rarely kept (passes with proposals are priced with a `Calibration`, as
     `CostAwareDraftLength` prices drafted rounds); then a probe now and then re-measures, as in

@@ -7,9 +7,9 @@ head), computed from the layer's own queries.
 On a CPU the sums come from two passes of torch's blocked (flash) attention kernel, which returns each row's
 log-sum-exp and never holds a T x T matrix: the first gives each query's normaliser lse_i, the second runs the keys
 as queries over the queries, with the sequence reversed (so "later queries" is causal) and -lse_i added to each
-column's logit (in an extra head dimension), so that its log-sum-exp is log sum_i exp(s q_i . k_j - lse_i), the key's
-accumulated attention. Padding is a large negative logit on its columns. Elsewhere (no such kernel) the attention matrix is
-built in query chunks, so memory stays O(chunk x T).
+column's logit (in an extra head dimension), so that its log-sum-exp is log sum_i exp(s q_i . k_j - lse_i), the
+key's accumulated attention. Padding is a large negative logit on its columns. Elsewhere (no such kernel) the
+attention matrix is built in query chunks, so memory stays O(chunk x T).
 """
 
 from __future__ import annotations
