@@ -8,6 +8,10 @@ rounds use speculative sampling, so either way the output is distributed as stoc
 
 The loop never sets the cache's state: each pass runs inside the cache phase it belongs to (`cache.prefilling`,
 `cache.drafting`, `cache.verifying`), which routes the pass's K/V to the right tier and undoes its setup on exit.
+
+Read it bottom up: `decode` runs `start`, then rounds of `draft_round` -> `verify_round` -> `emit` ->
+`record_round` -> `commit_round` -> the schedule's `observe`, each round's state in one `Round`; the passes they
+run (`draft`, `verify`, `forward`) and the accept rules (`accept`, in `verify.py`) sit above them.
 """
 
 from __future__ import annotations
@@ -355,6 +359,136 @@ def accept(io: DecodeIO, drafts, draft_probs, scores) -> tuple[list[int], torch.
     return accepted.tolist(), tokens
 
 
+@dataclass
+class Round:
+    """One round as its phases fill it in: what it drafts (k, on the draft tier), which rows take part, and what
+    the verify pass emitted. A round after a stored prefix (`suffix`) verifies the prompt's suffix as well."""
+
+    active: list[int]  # rows still generating
+    room: int  # tokens the longest-running active row may still emit
+    k: int  # drafts asked of the schedule (0: a plain round)
+    suffix: bool = False  # the first round after a stored prefix: its pending block is the prompt's suffix
+    loading: bool = False  # the full prefix is still loading: draft on while it does
+    offered: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain round's proposals and their counts
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    commit_seconds: float = 0.0
+
+
+def start(
+    model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, seqs, boundary: int
+):
+    """The prompt: prefilled (the first token emitted), or its first `boundary` tokens from the prefix store (the
+    suffix then becomes the first round's pending block). Returns the pending tokens and their positions."""
+    stats, started = cache.stats, io.started
+    if boundary:  # the first round's pending block is the suffix: its verify pass emits the first token
+        pending, positions = start_from_prefix(model, cache, input_ids, io.prefix, boundary, seqs)
+    else:
+        pending, positions = prefill(model, cache, input_ids, attention_mask, position_ids, io, seqs)
+        stats.first_token_seconds = time.perf_counter() - started
+        stats.emitted_tokens += input_ids.shape[0]
+    stats.prefill_seconds += time.perf_counter() - started
+    if io.timeline is not None:
+        io.timeline.add("prefill", started, time.perf_counter())
+    return pending, positions
+
+
+def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: DecodeIO, seqs, schedule):
+    """The round's drafts ((B, k) tokens and, when sampling, their probabilities): k steps on the draft tier (more
+    while a prefix loads), a plain round's proposals to verify on the full tier, or nothing."""
+    started = time.perf_counter()
+    # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
+    if not turn.k and io.proposer is not None and not turn.suffix:
+        turn.offered = propose_to_full_tier(io, seqs, pending)
+    most = (
+        min(schedule.high, turn.room - 1) if turn.loading else turn.k
+    )  # draft on while the full prefix loads
+    if most:
+        if (
+            not cache.draft_tier_held
+        ):  # the first draft after a deferring prefill, or after plain rounds freed it
+            cache.build_draft_tier()
+            schedule.observe_build(time.perf_counter() - started)
+            started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
+        with cache.drafting(most):  # the full tier streams in meanwhile
+            more = io.prefix.keep_drafting if turn.loading else None
+            drafts, draft_probs = draft(model, cache, pending, positions, turn.k, io, seqs, more, most)
+    else:  # a plain round: nothing runs on the draft tier; the full tier starts streaming in for the pass
+        block = pending if turn.suffix else pending[:, None]
+        drafts = turn.offered[0] if turn.offered is not None else block.new_empty((block.shape[0], 0))
+        draft_probs = None
+        cache.prefetch(room=block.shape[-1] + drafts.shape[-1])
+    if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
+        torch.cuda.current_stream(drafts.device).synchronize()
+    turn.draft_seconds = time.perf_counter() - started
+    if io.timeline is not None and drafts.shape[-1] and turn.offered is None:
+        io.timeline.add("draft", started, started + turn.draft_seconds)
+    return drafts, draft_probs
+
+
+def verify_round(
+    model, cache: VeriCache, pending, positions, drafts, draft_probs, turn: Round, io, seqs, prefix
+):
+    """The verify pass over [pending + drafts] on the full tier and the accept rule: returns raw logits, processed
+    scores, per-row accepted counts and the (B, k+1) tokens to emit."""
+    started = time.perf_counter()
+    if turn.suffix:
+        raw, scores = verify_after_prefix(
+            model, cache, io.prefix, prefix, pending, positions, drafts, io, seqs
+        )
+    else:
+        with cache.verifying():
+            raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
+    if (
+        turn.offered is not None and io.do_sample
+    ):  # the proposer's point masses; padding gets none (never kept)
+        real = torch.arange(drafts.shape[-1])[None, :] < turn.offered[1][:, None]
+        draft_probs = torch.nn.functional.one_hot(drafts, scores.shape[-1]).to(scores.dtype)
+        draft_probs *= real.to(draft_probs.device)[..., None]
+    accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
+    turn.verify_seconds = time.perf_counter() - started
+    if io.timeline is not None:
+        io.timeline.add("verify", started, started + turn.verify_seconds)
+    if turn.suffix:
+        cache.stats.first_token_seconds = time.perf_counter() - io.started
+    return raw, scores, accepted, tokens
+
+
+def record_round(cache: VeriCache, turn: Round, drafted: int, accepted: list[int], io: DecodeIO) -> None:
+    """The round's stats, and what a plain round's proposals earned (for the proposal gate)."""
+    stats = cache.stats
+    stats.draft_seconds += turn.draft_seconds
+    stats.verify_seconds += turn.verify_seconds
+    if not turn.k:
+        stats.plain_round_seconds += turn.draft_seconds + turn.verify_seconds
+    if drafted:
+        stats.record_round(drafted, [accepted[b] for b in turn.active])
+    else:
+        stats.plain_rounds += 1
+    if not turn.k and io.proposer is not None and not turn.suffix:
+        counts = turn.offered[1].tolist() if turn.offered is not None else [0] * len(accepted)
+        kept = [min(accepted[b], counts[b]) for b in turn.active]
+        stats.proposed_tokens += sum(counts)
+        stats.proposals_verified_kept += sum(kept)
+        width = turn.offered[0].shape[-1] + 1 if turn.offered is not None else 1
+        io.plain_proposal_length.observe(
+            width, turn.draft_seconds + turn.verify_seconds, [counts[b] for b in turn.active], kept
+        )
+
+
+def commit_round(cache: VeriCache, turn: Round, pending, accepted: list[int], going_on: bool) -> torch.Tensor:
+    """Commit each active row's [pending + accepted drafts] (its exact K/V, from the verify pass) to both tiers, when
+    any row goes on; returns the (B,) counts, which advance the rows' positions."""
+    block = pending.shape[-1] if turn.suffix else 1  # tokens committed besides the accepted drafts
+    counts = torch.tensor([accepted[b] + block if b in turn.active else 0 for b in range(len(accepted))])
+    if going_on:
+        started = time.perf_counter()
+        cache.commit(int(counts.max()), torch.arange(int(counts.max()))[None, :] < counts[:, None])
+        turn.commit_seconds = time.perf_counter() - started
+        cache.stats.commit_seconds += turn.commit_seconds
+    return counts
+
+
 def decode(
     model,
     cache: VeriCache,
@@ -367,115 +501,39 @@ def decode(
     """Run VeriCache decoding to the end; returns the per-row `Sequences`."""
     stats = cache.stats
     seqs = Sequences.start(input_ids, io.max_length, io.pad_token_id)
-    io.started = started = time.perf_counter()
+    io.started = time.perf_counter()
     reuse = io.prefix
     boundary = reuse.boundary(input_ids, attention_mask) if reuse is not None else 0
-    if boundary:  # the first round's pending block is the suffix: its verify pass emits the first token
-        pending, positions = start_from_prefix(model, cache, input_ids, reuse, boundary, seqs)
-    else:
-        pending, positions = prefill(model, cache, input_ids, attention_mask, position_ids, io, seqs)
-        stats.first_token_seconds = time.perf_counter() - started
-        stats.emitted_tokens += input_ids.shape[0]
-    stats.prefill_seconds += time.perf_counter() - started
-    if io.timeline is not None:
-        io.timeline.add("prefill", started, time.perf_counter())
+    pending, positions = start(model, cache, input_ids, attention_mask, position_ids, io, seqs, boundary)
     while any(seqs.unfinished):
         active = [b for b, alive in enumerate(seqs.unfinished) if alive]
         room = max(io.max_length - seqs.lengths[b] for b in active)
         # the first round after a prefix drafts only while the full prefix loads: the first token comes first
         suffix = pending.dim() == 2
-        loading = suffix and not reuse.full_tier_ready()
         k = 0 if suffix else max(0, min(schedule.current, room - 1))
+        turn = Round(active, room, k, suffix, loading=suffix and not reuse.full_tier_ready())
 
-        started = time.perf_counter()
-        # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
-        plain_proposals = not k and io.proposer is not None and not suffix
-        offered = propose_to_full_tier(io, seqs, pending) if plain_proposals else None
-        most = min(schedule.high, room - 1) if loading else k  # draft on while the full prefix loads
-        if most:
-            if (
-                not cache.draft_tier_held
-            ):  # the first draft after a deferring prefill, or after plain rounds freed it
-                cache.build_draft_tier()
-                schedule.observe_build(time.perf_counter() - started)
-                started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
-            with cache.drafting(most):  # the full tier streams in meanwhile
-                more = reuse.keep_drafting if loading else None
-                drafts, draft_probs = draft(model, cache, pending, positions, k, io, seqs, more, most)
-        else:  # a plain round: nothing runs on the draft tier; the full tier starts streaming in for the pass
-            block = pending if suffix else pending[:, None]
-            drafts = offered[0] if offered is not None else block.new_empty((block.shape[0], 0))
-            draft_probs = None
-            cache.prefetch(room=block.shape[-1] + drafts.shape[-1])
-        if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
-            torch.cuda.current_stream(drafts.device).synchronize()
-        draft_seconds = time.perf_counter() - started
-        if io.timeline is not None and drafts.shape[-1] and offered is None:
-            io.timeline.add("draft", started, started + draft_seconds)
-        started = time.perf_counter()
-        if suffix:
-            prefix = input_ids[:, :boundary]
-            raw, scores = verify_after_prefix(
-                model, cache, reuse, prefix, pending, positions, drafts, io, seqs
-            )
-        else:
-            with cache.verifying():
-                raw, scores = verify(model, cache, pending, positions, drafts, io, seqs)
-        if (
-            offered is not None and io.do_sample
-        ):  # the proposer's point masses; padding gets none (never kept)
-            real = torch.arange(drafts.shape[-1])[None, :] < offered[1][:, None]
-            draft_probs = torch.nn.functional.one_hot(drafts, scores.shape[-1]).to(scores.dtype)
-            draft_probs *= real.to(draft_probs.device)[..., None]
-        accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
-        verify_seconds = time.perf_counter() - started
-        if io.timeline is not None:
-            io.timeline.add("verify", started, started + verify_seconds)
-        if suffix:
-            stats.first_token_seconds = time.perf_counter() - io.started
-        stats.draft_seconds += draft_seconds
-        stats.verify_seconds += verify_seconds
-        if not k:
-            stats.plain_round_seconds += draft_seconds + verify_seconds
-
+        drafts, draft_probs = draft_round(model, cache, pending, positions, turn, io, seqs, schedule)
+        prefix = input_ids[:, :boundary]
+        raw, scores, accepted, tokens = verify_round(
+            model, cache, pending, positions, drafts, draft_probs, turn, io, seqs, prefix
+        )
         for b in active:
             for step in range(accepted[b] + 1):
                 stats.emitted_tokens += 1
                 if emit(io, seqs, b, tokens[b, step], scores[b, step], raw[b, step]):
                     break
-        accepted_active = [accepted[b] for b in active]
-        k = drafts.shape[-1] if offered is None else k  # a first round may draft on while the prefix loads
-        if k:
-            stats.record_round(k, accepted_active)
-        else:
-            stats.plain_rounds += 1
-        if plain_proposals:
-            counts = offered[1].tolist() if offered is not None else [0] * len(accepted)
-            kept = [min(accepted[b], counts[b]) for b in active]
-            stats.proposed_tokens += sum(counts)
-            stats.proposals_verified_kept += sum(kept)
-            io.plain_proposal_length.observe(
-                drafts.shape[-1] + 1, draft_seconds + verify_seconds, [counts[b] for b in active], kept
-            )
-        if any(seqs.unfinished):
-            started = time.perf_counter()
-            block = pending.shape[-1] if suffix else 1  # tokens committed besides the accepted drafts
-            counts = torch.tensor([accepted[b] + block if b in active else 0 for b in range(len(accepted))])
-            width = int(counts.max())
-            valid = torch.arange(width)[None, :] < counts[:, None]
-            cache.commit(width, valid)
-            commit_seconds = time.perf_counter() - started
-            stats.commit_seconds += commit_seconds
-        else:
-            commit_seconds = 0.0
+        drafted = drafts.shape[-1] if turn.offered is None else 0  # a first round may draft on while loading
+        record_round(cache, turn, drafted, accepted, io)
+        counts = commit_round(cache, turn, pending, accepted, any(seqs.unfinished))
         if not suffix:  # a first round after a prefix prefilled the suffix too: not a draft round's cost
             schedule.observe(
-                k,
-                accepted_active,
-                draft_seconds,
-                verify_seconds,
+                drafted,
+                [accepted[b] for b in active],
+                turn.draft_seconds,
+                turn.verify_seconds,
                 verified=drafts.shape[-1] + 1,
-                commit_seconds=commit_seconds,
+                commit_seconds=turn.commit_seconds,
                 remaining=max((io.max_length - seqs.lengths[b] for b in active), default=0),
                 tier_held=cache.draft_tier_held,
             )
@@ -484,8 +542,8 @@ def decode(
         if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
             cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
         if cache.refresh_policy is not None and cache.draft_tier_held:
-            mean_accepted = sum(accepted_active) / len(active) if k else None  # a plain round says nothing
-            cache.refresh_policy.after_commit(cache, width, mean_accepted)
+            mean_accepted = sum(accepted[b] for b in active) / len(active) if drafted else None
+            cache.refresh_policy.after_commit(cache, int(counts.max()), mean_accepted)
         index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])
         pending = tokens.gather(1, index[:, None].to(tokens.device))[:, 0]
         positions = positions + counts.to(positions.device)
