@@ -483,7 +483,8 @@ def commit_round(cache: VeriCache, turn: Round, pending, accepted: list[int], go
     counts = torch.tensor([accepted[b] + block if b in turn.active else 0 for b in range(len(accepted))])
     if going_on:
         started = time.perf_counter()
-        cache.commit(int(counts.max()), torch.arange(int(counts.max()))[None, :] < counts[:, None])
+        width = int(counts.max())
+        cache.commit(width, torch.arange(width)[None, :] < counts[:, None])
         turn.commit_seconds = time.perf_counter() - started
         cache.stats.commit_seconds += turn.commit_seconds
     return counts
