@@ -283,7 +283,7 @@ def test_model_generate_batch_routes_to_the_engine(served):
         served.generate_batch(inputs, generation_mode="lookahead")
 
 
-def served_over_an_emulated_link(served, inputs, new_tokens: int, **config):
+def served_over_an_emulated_link(served, inputs, new_tokens: int, cohort_size="auto", **config):
     """`generate_batch` with every full tier staged through the engine's queue (`stage_on_cpu`) over a 50 MB/s
     emulated link; checks each output against stock and returns the results."""
     config = VeriCacheConfig(
@@ -295,7 +295,12 @@ def served_over_an_emulated_link(served, inputs, new_tokens: int, **config):
         **config,
     )
     results = generate_batch(
-        served, inputs, max_new_tokens=new_tokens, vericache_config=config, max_concurrent=2
+        served,
+        inputs,
+        max_new_tokens=new_tokens,
+        vericache_config=config,
+        max_concurrent=2,
+        cohort_size=cohort_size,
     )
     for out, prompt in zip(results.values(), inputs, strict=True):
         assert out.status == RequestStatus.FINISHED, out.error
@@ -315,11 +320,11 @@ def test_requests_share_one_transfer_queue_over_an_emulated_link(served):
 
 
 def test_a_timeline_records_each_requests_spans_on_its_own_track(served):
-    """Prefill, draft, transfer and verify spans, each on the track of the request it served (a copy too, though
-    the transfer worker made it); outputs stay exact."""
+    """Requests served alone (`cohort_size=1`): prefill, draft, transfer and verify spans, each on the track of the
+    request it served (a copy too, though the transfer worker made it); outputs stay exact."""
     timeline = vericache_hf.Timeline()
     results = served_over_an_emulated_link(
-        served, prompts(3, seed=90), 12, draft_schedule="fixed", timeline=timeline
+        served, prompts(3, seed=90), 12, cohort_size=1, draft_schedule="fixed", timeline=timeline
     )
     spans = timeline.to_dicts()
     assert {span["track"] for span in spans} == set(results)

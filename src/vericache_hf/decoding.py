@@ -7,6 +7,7 @@ preparation (config merge, masks, positions, processors, stopping criteria) and 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +15,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .cache.rows import can_share_rows
 from .cache.vericache import VeriCache
+from .cohort import Member
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, ProposalLength, draft_length_schedule
-from .loop import DecodeIO, Sequences, decode, prefill_prefix
+from .loop import DecodeIO, Sequences, begin, decode, prefill_prefix
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
 from .proposers import build_proposer
@@ -63,6 +66,7 @@ def generate(
     vericache_streamer=None,
     vericache_assistant=None,
     vericache_transfers=None,
+    vericache_cohorts=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:
     """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s, and
@@ -71,7 +75,9 @@ def generate(
     `vericache_streamer` is the streamer under a name that survives transformers' `custom_generate` path (which
     drops `streamer`); `registration.vericache_generate` passes it, after stock generate streamed the prompt.
     `vericache_assistant` is `assistant_model` under such a name (stock generate keeps `assistant_model` for itself).
-    `vericache_transfers` is a `TransferEngine` shared with other calls (the serving engine's one queue)."""
+    `vericache_transfers` is a `TransferEngine` shared with other calls (the serving engine's one queue), and
+    `vericache_cohorts` a `CohortPool` whose cohorts decode this call's prompt, after its prefill, in passes shared
+    with other calls (the serving engine's cohorts)."""
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
@@ -102,17 +108,22 @@ def generate(
     )
     settings = _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(config, io.do_sample, PRIORS.recall(model, settings))
+    cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
-        seqs = decode(
-            model,
-            cache,
-            input_ids,
-            model_kwargs.get("attention_mask"),
-            model_kwargs.get("position_ids"),
-            io,
-            schedule,
-        )
-        PRIORS.remember(model, settings, schedule)
+        with cohorts.prefilling() if cohorts is not None else nullcontext():
+            state = begin(
+                model,
+                cache,
+                input_ids,
+                model_kwargs.get("attention_mask"),
+                model_kwargs.get("position_ids"),
+                io,
+            )
+        if cohorts is not None and any(state.seqs.unfinished) and can_share_rows(cache):
+            seqs = cohorts.decode(Member(cache, state, io, config, (io.do_sample, repr(config))))
+        else:
+            seqs = decode(model, cache, state, io, schedule)
+            PRIORS.remember(model, settings, schedule)
     finally:
         if io.prefix is not None:
             io.prefix.close()
@@ -122,6 +133,17 @@ def generate(
     if config.stats is not None:
         config.stats.merge(stats)
     return _outputs(seqs, generation_config, cache, stats)
+
+
+def _joins_cohorts(input_ids: torch.Tensor, io: DecodeIO, generation_config: GenerationConfig) -> bool:
+    """Whether a call handed a cohort pool decodes in a cohort: one prompt, no proposer, no prefix store, and only
+    tokens to return (rows in a cohort share their passes, and the rest is per call)."""
+    return (
+        input_ids.shape[0] == 1
+        and io.proposer is None
+        and io.prefix is None
+        and not generation_config.return_dict_in_generate
+    )
 
 
 def _schedule_key(config: VeriCacheConfig, input_ids: torch.Tensor, proposer) -> tuple:

@@ -2,16 +2,21 @@
 batching (`add_request(s)`, `get_result`, `request_id_iter`, ids `req_0`, `req_1`, ..., and its `GenerationOutput`
 with `RequestStatus`), so that a user of `model.generate_batch` changes one thing.
 
-Each request is one VeriCache `generate` call on its own cache, run by one of `max_concurrent` worker threads
-(VeriCache calls are thread-safe, see `cache/vericache.py`). Requests join and leave at any time, a failing request
-fails alone with its error in its result, `cancel` ends a request at its next round and frees its cache, and `stop`
-ends every request and leaves no thread behind. Every request's full tier goes to the device through one shared
-transfer queue (one link, its own CUDA stream), so one request's copies run while others draft; on CUDA each worker
-also computes on its own stream, so a verify pass waiting for its copies stalls no other request's drafting:
-requests stagger by themselves rather than in planned cohorts. `VeriCacheConfig(timeline=Timeline())` records each
-request's prefill, draft, transfer and verify spans on a track named after it, to see how they interleave. A
-device-memory budget admits requests by their draft tier and staging buffers (`admission.py`). Batching requests into
-shared forward passes and planned cohorts are the next steps.
+Each request runs as one VeriCache `generate` call on one of `max_concurrent` worker threads: it prefills alone
+(one prompt at a time, beside the running rounds), then joins a cohort between that cohort's rounds (`cohort.py`):
+the rows of a cohort draft and verify in shared forward passes, each with its own request's settings, stopping
+criteria and streamer, and leave when they stop. Several cohorts take turns on the device, so while one drafts,
+another's full tier streams in through the engine's one transfer queue and it verifies (the paper's staggering);
+how many cohorts and how large is planned from measured copy and compute times (`cohorts=`, `cohort_size=`
+override it; `cohort_size=1` serves every request alone on its worker, each on its own CUDA stream). Requests with
+a proposer, a prefix store or `return_dict_in_generate`, and compressors whose draft tier cannot be split by row
+(kvpress presses), decode alone on their worker.
+
+Requests join and leave at any time, a failing request fails alone with its error in its result, `cancel` ends a
+request at its next round and frees its rows, and `stop` ends every request and leaves no thread behind.
+`VeriCacheConfig(timeline=Timeline())` records each request's prefill on a track named after it and each cohort's
+draft, transfer and verify spans on a track of its own. A device-memory budget admits requests by their draft tier
+and staging buffers (`admission.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
 from .cache.transfer import TransferEngine
 from .checks import check_int
+from .cohort import CohortPool
 from .decoding import resolve_config
 
 __all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
@@ -93,7 +99,9 @@ class VeriCacheEngine:
     """Serve requests with VeriCache decoding from any thread, at any time.
 
     `vericache_config` and `generate_kwargs` (for example `do_sample=False`) apply to every request; `add_request`
-    takes per-request ones on top. Use it as a context manager, or call `start()` and `stop()`.
+    takes per-request ones on top. `max_concurrent` requests are served at once; they share forward passes in
+    `cohorts` cohorts of at most `cohort_size` (each "auto": planned from measured times; `cohort_size=1`: every
+    request alone). Use it as a context manager, or call `start()` and `stop()`.
     """
 
     def __init__(
@@ -102,10 +110,14 @@ class VeriCacheEngine:
         vericache_config=None,
         max_concurrent: int = 2,
         device_memory_budget: int | str | None = None,
+        cohorts: int | str = "auto",
+        cohort_size: int | str = "auto",
         **generate_kwargs: Any,
     ) -> None:
         check_int("max_concurrent", max_concurrent)
         self.model = model
+        # requests share forward passes in cohorts, unless each is to run alone (its own passes, its own thread)
+        self._cohorts = None if cohort_size == 1 else CohortPool(model, cohorts, cohort_size)
         self._budget = MemoryBudget(parse_bytes(device_memory_budget)) if device_memory_budget else None
         config = resolve_config(vericache_config, model.generation_config)
         # one transfer queue for every request (one link): a request's full tier streams in while others draft
@@ -120,6 +132,7 @@ class VeriCacheEngine:
         self.generate_kwargs = {
             "vericache_config": vericache_config,
             "vericache_transfers": self._transfers,
+            "vericache_cohorts": self._cohorts,
             **generate_kwargs,
         }
         self.max_concurrent = max_concurrent
@@ -153,16 +166,22 @@ class VeriCacheEngine:
         with self._lock:
             if self._state != "running":
                 self._state = "stopped"
+                if self._cohorts is not None:
+                    self._cohorts.close(0)
                 return
             self._state = "stopped"
             for request in self._requests.values():
                 request.cancelled.set()
             for _ in self._workers:
                 self._pending.put(_STOP)
+        if not block and self._cohorts is not None:
+            self._cohorts.close(0)  # its threads end once the cancelled rows have left
         if block:
             deadline = None if timeout is None else time.monotonic() + timeout
             for worker in self._workers:
                 worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self._cohorts is not None:
+                self._cohorts.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
             self._transfers.cancel()
 
     def __enter__(self) -> VeriCacheEngine:
@@ -218,6 +237,10 @@ class VeriCacheEngine:
         return footprint(
             self.model, resolve_config(kwargs.get("vericache_config"), config), prompt_tokens, new
         )
+
+    def cohort_stats(self) -> dict[str, float]:
+        """Rounds the cohorts ran and how many requests shared their passes (empty when each runs alone)."""
+        return self._cohorts.stats() if self._cohorts is not None else {}
 
     def memory_stats(self) -> dict[str, float]:
         """The device-memory budget, its peaks, and how many requests of the admitted ones' mean size it holds,
@@ -361,11 +384,15 @@ def generate_batch(
     vericache_config=None,
     max_concurrent: int = 2,
     device_memory_budget: int | str | None = None,
+    cohorts: int | str = "auto",
+    cohort_size: int | str = "auto",
     **generate_kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Serve `inputs` to the end, as `model.generate_batch` does: outputs keyed `req_0`, `req_1`, ... in input
     order. Each request's greedy output equals stock `generate` of that prompt alone."""
-    engine = VeriCacheEngine(model, vericache_config, max_concurrent, device_memory_budget, **generate_kwargs)
+    engine = VeriCacheEngine(
+        model, vericache_config, max_concurrent, device_memory_budget, cohorts, cohort_size, **generate_kwargs
+    )
     with engine:
         ids = engine.add_requests(inputs, max_new_tokens=max_new_tokens)
         return {request_id: engine.get_result(request_id) for request_id in ids}

@@ -9,8 +9,9 @@ rounds use speculative sampling, so either way the output is distributed as stoc
 The loop never sets the cache's state: each pass runs inside the cache phase it belongs to (`cache.prefilling`,
 `cache.drafting`, `cache.verifying`), which routes the pass's K/V to the right tier and undoes its setup on exit.
 
-Read it bottom up: `decode` runs `start`, then rounds of `draft_round` -> `verify_round` -> `emit` ->
-`record_round` -> `commit_round` -> the schedule's `observe`, each round's state in one `Round`; the passes they
+Read it bottom up: `decode` runs `begin` (the prompt), then `run_round`s of `draft_round` -> `verify_round` ->
+`emit` -> `record_round` -> `commit_round` -> the schedule's `observe`, each round's state in one `Round` and the
+call's state between rounds in one `Decoding` (which a cohort of requests shares, see `cohort.py`); the passes they
 run (`draft`, `verify`, `forward`) and the accept rules (`accept`, in `verify.py`) sit above them.
 """
 
@@ -79,6 +80,12 @@ class DecodeIO:
     prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
     timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
     started: float = 0.0  # perf_counter() when decoding started
+    failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
+
+    def of(self, row: int) -> DecodeIO:
+        """The io that reports and stops `row`: this one, or in a cohort the row's own request's
+        (`cohort.CohortIO`)."""
+        return self
 
 
 def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Tensor], logits: torch.Tensor):
@@ -124,6 +131,10 @@ def forward(
 
 def emit(io: DecodeIO, seqs: Sequences, row: int, token: torch.Tensor, scores, raw) -> bool:
     """Append one token to a row, report it, and check the stopping criteria on the new prefix. True = row stops."""
+    io = io.of(row)
+    if io.failed is not None:  # a cohort's row whose request failed: it leaves after this round
+        seqs.unfinished[row] = False
+        return True
     at = seqs.lengths[row]
     seqs.tokens[row, at] = token
     seqs.lengths[row] = at + 1
@@ -490,64 +501,85 @@ def commit_round(cache: VeriCache, turn: Round, pending, accepted: list[int], go
     return counts
 
 
-def decode(
-    model,
-    cache: VeriCache,
-    input_ids,
-    attention_mask,
-    position_ids,
-    io: DecodeIO,
-    schedule: DraftLengthSchedule,
-):
-    """Run VeriCache decoding to the end; returns the per-row `Sequences`."""
-    stats = cache.stats
+@dataclass
+class Decoding:
+    """A call's state between rounds: the rows' tokens, each row's pending token (or, after a stored prefix, the
+    prompt's suffix as a (B, s) block) with its absolute position, and the stored prefix's tokens ((B, 0) without
+    one)."""
+
+    seqs: Sequences
+    pending: torch.Tensor
+    positions: torch.Tensor
+    prefix: torch.Tensor
+
+
+def begin(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO) -> Decoding:
+    """The prompt (prefilled, or its prefix from the store): the state the first round starts from."""
     seqs = Sequences.start(input_ids, io.max_length, io.pad_token_id)
     io.started = time.perf_counter()
     reuse = io.prefix
     boundary = reuse.boundary(input_ids, attention_mask) if reuse is not None else 0
     pending, positions = start(model, cache, input_ids, attention_mask, position_ids, io, seqs, boundary)
-    while any(seqs.unfinished):
-        active = [b for b, alive in enumerate(seqs.unfinished) if alive]
-        room = max(io.max_length - seqs.lengths[b] for b in active)
-        # the first round after a prefix drafts only while the full prefix loads: the first token comes first
-        suffix = pending.dim() == 2
-        k = 0 if suffix else max(0, min(schedule.current, room - 1))
-        turn = Round(active, room, k, suffix, loading=suffix and not reuse.full_tier_ready())
+    return Decoding(seqs, pending, positions, input_ids[:, :boundary])
 
-        drafts, draft_probs = draft_round(model, cache, pending, positions, turn, io, seqs, schedule)
-        prefix = input_ids[:, :boundary]
-        raw, scores, accepted, tokens = verify_round(
-            model, cache, pending, positions, drafts, draft_probs, turn, io, seqs, prefix
+
+def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: DraftLengthSchedule) -> None:
+    """One round: draft, verify, emit, record, commit, and the schedule's and the draft tier's upkeep."""
+    stats, seqs, pending, positions = cache.stats, state.seqs, state.pending, state.positions
+    active = [b for b, alive in enumerate(seqs.unfinished) if alive]
+    room = max(io.of(b).max_length - seqs.lengths[b] for b in active)
+    # the first round after a prefix drafts only while the full prefix loads: the first token comes first
+    suffix = pending.dim() == 2
+    k = 0 if suffix else max(0, min(schedule.current, room - 1))
+    turn = Round(active, room, k, suffix, loading=suffix and not io.prefix.full_tier_ready())
+
+    drafts, draft_probs = draft_round(model, cache, pending, positions, turn, io, seqs, schedule)
+    raw, scores, accepted, tokens = verify_round(
+        model, cache, pending, positions, drafts, draft_probs, turn, io, seqs, state.prefix
+    )
+    for b in active:
+        for step in range(accepted[b] + 1):
+            stats.emitted_tokens += 1
+            if emit(io, seqs, b, tokens[b, step], scores[b, step], raw[b, step]):
+                break
+    drafted = drafts.shape[-1] if turn.offered is None else 0  # a first round may draft on while loading
+    record_round(cache, turn, drafted, accepted, io)
+    counts = commit_round(cache, turn, pending, accepted, any(seqs.unfinished))
+    if not suffix:  # a first round after a prefix prefilled the suffix too: not a draft round's cost
+        schedule.observe(
+            drafted,
+            [accepted[b] for b in active],
+            turn.draft_seconds,
+            turn.verify_seconds,
+            verified=drafts.shape[-1] + 1,
+            commit_seconds=turn.commit_seconds,
+            remaining=max((io.of(b).max_length - seqs.lengths[b] for b in active), default=0),
+            tier_held=cache.draft_tier_held,
         )
-        for b in active:
-            for step in range(accepted[b] + 1):
-                stats.emitted_tokens += 1
-                if emit(io, seqs, b, tokens[b, step], scores[b, step], raw[b, step]):
-                    break
-        drafted = drafts.shape[-1] if turn.offered is None else 0  # a first round may draft on while loading
-        record_round(cache, turn, drafted, accepted, io)
-        counts = commit_round(cache, turn, pending, accepted, any(seqs.unfinished))
-        if not suffix:  # a first round after a prefix prefilled the suffix too: not a draft round's cost
-            schedule.observe(
-                drafted,
-                [accepted[b] for b in active],
-                turn.draft_seconds,
-                turn.verify_seconds,
-                verified=drafts.shape[-1] + 1,
-                commit_seconds=turn.commit_seconds,
-                remaining=max((io.max_length - seqs.lengths[b] for b in active), default=0),
-                tier_held=cache.draft_tier_held,
-            )
-        if not any(seqs.unfinished):
-            break
-        if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
-            cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
-        if cache.refresh_policy is not None and cache.draft_tier_held:
-            mean_accepted = sum(accepted[b] for b in active) / len(active) if drafted else None
-            cache.refresh_policy.after_commit(cache, int(counts.max()), mean_accepted)
-        index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])
-        pending = tokens.gather(1, index[:, None].to(tokens.device))[:, 0]
-        positions = positions + counts.to(positions.device)
+    if not any(seqs.unfinished):
+        return
+    if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
+        cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
+    if cache.refresh_policy is not None and cache.draft_tier_held:
+        mean_accepted = sum(accepted[b] for b in active) / len(active) if drafted else None
+        cache.refresh_policy.after_commit(cache, int(counts.max()), mean_accepted)
+    index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])
+    state.pending = tokens.gather(1, index[:, None].to(tokens.device))[:, 0]
+    state.positions = positions + counts.to(positions.device)
+
+
+def decode(
+    model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: DraftLengthSchedule
+) -> Sequences:
+    """Rounds from `state` (see `begin`) until every row stops; returns the per-row `Sequences`."""
+    while any(state.seqs.unfinished):
+        run_round(model, cache, state, io, schedule)
+    record_sizes(cache)
+    return state.seqs
+
+
+def record_sizes(cache: VeriCache) -> None:
+    """The tiers' sizes at the end of a call, into its stats."""
+    stats = cache.stats
     stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
     stats.full_tier_bytes = max(stats.full_tier_bytes, cache.full_tier_bytes())
-    return seqs

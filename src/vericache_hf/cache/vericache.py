@@ -254,6 +254,14 @@ class VeriCache(Cache):
         self._layer_loaded = [False] * len(self.layers)
         self._load_timeout = timeout
 
+    def adopt_rows(self, valid: torch.Tensor) -> None:
+        """Start from rows that other caches held, instead of a prefill (`rows.stack` and `rows.select` filled each
+        layer's tiers): `valid` (B, T) marks the full tier's real slots."""
+        if self.full_valid is not None:
+            raise RuntimeError("adopt_rows replaces the prefill; create a new cache for new rows.")
+        self.prompt_valid = self.full_valid = valid.bool()
+        self._full_dense = bool(self.full_valid.all())
+
     def layer_loaded(self, layer_idx: int) -> None:
         """The loader appended layer `layer_idx`'s whole prefix: a verify pass may read it."""
         self._layer_loaded[layer_idx] = True
