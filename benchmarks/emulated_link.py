@@ -1,9 +1,10 @@
 """What sharing one link buys, on a CPU (issue 21, part 4): the full tier is staged through the transfer queue
-(`stage_on_cpu`) over an emulated link, and requests run either in lockstep (one `generate` call, the batch drafts
-and then verifies together) or through the engine (one call per request on worker threads, one shared queue, so
-one request's copies run while another drafts). Embedded model, fp32; prompts of code with different tasks.
-Each run records a `Timeline`; `timeline.png` draws the prefill, draft, transfer and verify spans of every request
-(a track each; lockstep's batch is one track) at the `--plot-link` bandwidth.
+(`stage_on_cpu`) over an emulated link, and requests run in lockstep (one `generate` call, the batch drafts and then
+verifies together), through the engine in one cohort (shared passes; rows join after their own prefill), in two
+staggered cohorts (one's copies run while the other drafts or verifies), or alone (one call per request on worker
+threads, one shared queue). Embedded model, fp32; prompts of code with different tasks. Each run records a
+`Timeline`; `timeline.png` draws the prefill, draft, transfer and verify spans of every track (a request's prefill,
+a cohort's rounds; lockstep's batch is one track) at the `--plot-link` bandwidth.
 
     python benchmarks/emulated_link.py --out docs/bench-link
 """
@@ -59,6 +60,7 @@ def run(method: str, model, tokenizer, prompts: list[list[int]], link: float, ne
             do_sample=False,
             vericache_config=config,
             max_concurrent=workers,
+            **ENGINE[method],
         )
         generated = [result.generated_tokens for result in results.values()]
     seconds = time.perf_counter() - started
@@ -76,6 +78,14 @@ def run(method: str, model, tokenizer, prompts: list[list[int]], link: float, ne
         "copy_beside_verify": round(ratio(timeline.overlap_seconds("transfer", "verify"), timeline), 3),
         "timeline": merged(timeline.to_dicts()),
     }
+
+
+#: How each engine method groups its requests.
+ENGINE = {
+    "one-cohort": {"cohorts": 1},
+    "two-cohorts": {"cohorts": 2},
+    "alone": {"cohort_size": 1},
+}
 
 
 def merged(spans: list[dict], gap: float = 2e-3) -> list[dict]:
@@ -138,6 +148,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--plot-link", type=float, default=4.0, help="GB/s of the timeline plot")
+    parser.add_argument("--methods", default="lockstep,one-cohort,two-cohorts,alone")
     parser.add_argument("--out", default="docs/bench-link")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -157,7 +168,7 @@ def main() -> None:
     ]
     rows = []
     for link in (float(g) * 1e9 for g in args.links.split(",")):
-        for method in ("lockstep", "engine"):
+        for method in args.methods.split(","):
             generated, row = run(method, model, tokenizer, prompts, link, args.new_tokens, args.requests)
             row["identical"] = sum(g == r for g, r in zip(generated, reference, strict=True))
             rows.append(row)

@@ -1,6 +1,9 @@
 """Many requests on the embedded model (issue 21, part 6, CPU): code prompts of mixed length, arriving all at once or
 as a Poisson stream, answered by stock static batching, transformers' continuous batching, VeriCache in static
-batches (lockstep) and the VeriCache engine (one call per request on worker threads, one transfer queue).
+batches (lockstep), the VeriCache engine with every request alone (`cohort_size=1`: one call per request on
+`--batch` worker threads, one transfer queue) and the VeriCache engine with cohorts (requests share forward passes,
+joining after their prefill and leaving when they stop; cohorts planned from measured times, `--concurrent`
+requests at once).
 
 Each method runs in its own process, so that its peak RSS is its own. Reports total tokens/s, time to first token
 (from each request's arrival), p50/p99 inter-token latency, the share of requests identical to stock `generate` of
@@ -27,7 +30,13 @@ import time
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
-METHODS = ("stock-batches", "hf-generate-batch", "vericache-batches", "vericache-engine")
+METHODS = (
+    "stock-batches",
+    "hf-generate-batch",
+    "vericache-batches",
+    "vericache-engine-alone",
+    "vericache-engine",
+)
 
 
 def prompts(tokenizer, count: int, contexts: list[int]) -> list[list[int]]:
@@ -107,7 +116,7 @@ def run(method: str, args) -> dict:
         return {"tokens": [model.generate(torch.tensor([p]), **new)[0, len(p) :].tolist() for p in inputs]}
     offsets = arrival_offsets(args)
     started = time.perf_counter()
-    tokens, first, gaps, beside, apart = [], [], [], [], []
+    tokens, first, gaps, beside, apart, shared = [], [], [], [], [], {}
     if method in ("stock-batches", "vericache-batches"):
         mode = (
             {"generation_mode": "vericache", "vericache_config": config}
@@ -125,7 +134,7 @@ def run(method: str, args) -> dict:
             steps = [b - a for a, b in zip(streamer.times, streamer.times[1:], strict=False)]
             gaps += steps * len(group)  # every row of a static batch waits the same step
     else:
-        outputs = serve_as_they_arrive(method, model, inputs, offsets, started, config, new, args.batch)
+        outputs, shared = serve_as_they_arrive(method, model, inputs, offsets, started, config, new, args)
         for output, offset in zip(outputs, offsets, strict=True):
             tokens.append(list(output.generated_tokens))
             stamps = output.timestamps or []
@@ -146,23 +155,32 @@ def run(method: str, args) -> dict:
         "gaps_beside_prefill": len(beside),
         "tokens": tokens,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "rows_per_round": round(shared.get("mean_rows_per_round", 0.0), 2),
     }
 
 
-def serve_as_they_arrive(method, model, inputs, offsets, started, config, new, workers) -> list:
+def serve_as_they_arrive(method, model, inputs, offsets, started, config, new, args) -> list:
     """Add each request at its arrival time to the VeriCache engine or to transformers' continuous batching
-    manager; returns their finished `GenerationOutput`s in input order."""
+    manager; returns their finished `GenerationOutput`s in input order, and the engine's cohort stats."""
     from transformers import GenerationConfig
 
     import vericache_hf
 
-    if method == "vericache-engine":
-        with vericache_hf.VeriCacheEngine(model, config, max_concurrent=workers, **new) as engine:
+    if method.startswith("vericache-engine"):
+        alone = method == "vericache-engine-alone"
+        engine = vericache_hf.VeriCacheEngine(
+            model,
+            config,
+            max_concurrent=args.batch if alone else args.concurrent,
+            cohort_size=1 if alone else "auto",
+            **new,
+        )
+        with engine:
             ids = []
             for prompt, offset in zip(inputs, offsets, strict=True):
                 wait_until(started + offset)
                 ids.append(engine.add_request(prompt))
-            return [engine.get_result(request_id) for request_id in ids]
+            return [engine.get_result(request_id) for request_id in ids], engine.cohort_stats()
     generation = GenerationConfig(do_sample=False, max_new_tokens=new["max_new_tokens"])
     with model.continuous_batching_context_manager(generation_config=generation) as manager:
         ids = []
@@ -178,7 +196,7 @@ def serve_as_they_arrive(method, model, inputs, offsets, started, config, new, w
                 done[result.request_id] = result
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching stopped before every request finished")
-    return [done[request_id] for request_id in ids]
+    return [done[request_id] for request_id in ids], {}
 
 
 def main() -> None:
@@ -186,7 +204,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--contexts", default="1024,2048,3072,4096")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="static batch size, and the engine's workers")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        help="static batch size, and the engine's workers when requests run alone",
+    )
+    parser.add_argument(
+        "--concurrent", type=int, default=16, help="requests the engine with cohorts serves at once"
+    )
     parser.add_argument("--arrivals", choices=("at-once", "poisson"), default="at-once")
     parser.add_argument("--rate", type=float, default=0.05, help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0, help="the Poisson stream's seed")
@@ -226,16 +252,17 @@ def main() -> None:
     )
     lines = [
         f"{args.requests} requests {arriving}, code prompts of {args.contexts} tokens, {args.new_tokens} new "
-        f"tokens, greedy; static batches of {args.batch}, the engine with {args.batch} workers; VeriCache snapkv@0.875.",
+        f"tokens, greedy; static batches of {args.batch}, the engine alone with {args.batch} workers, the engine "
+        f"with cohorts serving {args.concurrent} at once; VeriCache snapkv@0.875.",
         "",
         "| method | tokens/s | mean TTFT (s) | ITL p50 (ms) | ITL p99 (ms) | ITL p99 beside a prefill (ms, gaps) | "
-        "ITL p99 otherwise (ms) | identical | peak RSS (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "ITL p99 otherwise (ms) | identical | peak RSS (MiB) | requests per shared pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['method']} | {r['tokens_per_s']} | {r['ttft_mean_s']} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | "
         f"{r['itl_p99_beside_prefill_ms']} ({r['gaps_beside_prefill']}) | {r['itl_p99_apart_ms']} | "
-        f"{r['identical']}/{args.requests} | {r['peak_rss_mib']} |"
+        f"{r['identical']}/{args.requests} | {r['peak_rss_mib']} | {r['rows_per_round'] or ''} |"
         for r in rows
     ]
     save_results(args.out, rows, lines)

@@ -152,6 +152,7 @@ def test_a_timeline_records_each_cohorts_spans_on_its_own_track(served):
     )
     outs, shared = serve(served, inputs, config, [16] * 4)
     for out, prompt in zip(outs, inputs, strict=True):
+        assert out.status == RequestStatus.FINISHED, out.error
         assert out.generated_tokens == stock(served, prompt, 16)
     spans = timeline.to_dicts()
     prefills = {span["track"] for span in spans if span["kind"] == "prefill"}
@@ -171,8 +172,8 @@ def test_the_plan_hides_each_cohorts_copy_behind_the_others_compute():
 
 
 def test_rows_stack_and_select_back_to_what_each_cache_held(served):
-    """Two requests' caches (different lengths) stacked and selected back: each row's full tier, validity and
-    carried draft tier (SnapKV's kept tokens) are what its own cache held."""
+    """Two requests' caches (different lengths) join a third's, which then leaves: each row copied back out holds
+    the full tier, validity and carried draft tier (SnapKV's kept tokens) that its own cache held."""
     config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, draft_length=4)
     caches = []
     for length in (20, 33):
@@ -180,10 +181,14 @@ def test_rows_stack_and_select_back_to_what_each_cache_held(served):
         io = DecodeIO(LogitsProcessorList(), StoppingCriteriaList(), max_length=64, pad_token_id=0)
         begin(served, cache, random_prompt(length, seed=length), None, None, io)  # the prompt, as a request's
         caches.append(cache)
-    both = rows.stack(caches)
-    assert both.full_valid.shape == (2, max(c.full_valid.shape[-1] for c in caches))
+    both = _build_cache(served, config, VeriCacheStats())[1]
+    io = DecodeIO(LogitsProcessorList(), StoppingCriteriaList(), max_length=64, pad_token_id=0)
+    begin(served, both, random_prompt(27, seed=27), None, None, io)
+    rows.join(both, caches)  # rows 1 and 2 are the caches' rows
+    assert both.full_valid.shape == (3, max(c.full_valid.shape[-1] for c in caches))
+    rows.keep(both, [1, 2])
     for row, cache in enumerate(caches):
-        alone = rows.select(both, [row])
+        alone = rows.copy_row(both, row)
         assert torch.equal(alone.full_valid, cache.full_valid)
         for mine, theirs in zip(alone.layers, cache.layers, strict=True):
             for got, want in zip(mine.full.view(), theirs.full.view(), strict=True):

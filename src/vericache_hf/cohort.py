@@ -148,9 +148,14 @@ class Cohort:
                 io.stopping_criteria = _RowCriteria(io, io.stopping_criteria)
                 if io.streamer is not None:
                     io.streamer = _RowStreamer(io, io.streamer)
-        caches = ([self.cache] if self.cache is not None else []) + [m.cache for m in joining]
         states = ([self.state] if self.state is not None else []) + [m.state for m in joining]
-        self.cache = rows.stack(caches, self.stats)
+        caches = [m.cache for m in joining]
+        cache = self.cache if self.cache is not None else caches.pop(0)  # or the first member's becomes it
+        if caches:
+            rows.join(cache, caches)
+        cache.stats, self.cache = self.stats, cache
+        for member in joining:
+            member.cache = None  # its rows are the cohort's now: its own buffers can go
         self.state = _stacked(states)
         self._set_members(self.members + joining)
 
@@ -171,7 +176,7 @@ class Cohort:
             left.append(member)
         if keep:
             record_sizes(self.cache)
-            self.cache = rows.select(self.cache, keep)
+            rows.keep(self.cache, keep)
             self.state = Decoding(
                 _rows_of(self.state.seqs, keep),
                 self.state.pending[keep],
@@ -188,7 +193,7 @@ class Cohort:
         member shares); the cohort is left empty."""
         members = self.members
         for b, member in enumerate(members):
-            member.cache = rows.select(self.cache, [b])
+            member.cache = rows.copy_row(self.cache, b)
             member.state = Decoding(
                 _rows_of(self.state.seqs, [b]),
                 self.state.pending[b : b + 1],
@@ -383,6 +388,7 @@ class CohortPool:
                 self._joining.remove(member)
         return taken
 
+    @torch.no_grad()  # as stock `generate` runs, where the members' caches were made
     def _run(self, slot: int) -> None:
         while (cohort := self._next(slot)) is not None:
             timeline = cohort.config.timeline
@@ -410,8 +416,10 @@ class CohortPool:
                     )
                 try:
                     cohort.admit(joining)
-                except Exception as error:  # noqa: BLE001 - the joining requests fail; the cohort's rows go on
-                    self._finish(joining, error)
+                except Exception as error:  # noqa: BLE001 - a join that broke part way fails the rows it touched
+                    members = cohort.members
+                    cohort.clear()
+                    self._finish(members + joining, error)
             if cohort.members:
                 return cohort
 

@@ -120,14 +120,17 @@ def generate(
                 io,
             )
         if cohorts is not None and any(state.seqs.unfinished) and can_share_rows(cache):
-            seqs = cohorts.decode(Member(cache, state, io, config, (io.do_sample, repr(config))))
+            member = Member(cache, state, io, config, (io.do_sample, repr(config)))
+            cache = None  # the cohort owns it now: it joins the cohort's, or becomes it
+            seqs = cohorts.decode(member)
         else:
             seqs = decode(model, cache, state, io, schedule)
             PRIORS.remember(model, settings, schedule)
     finally:
         if io.prefix is not None:
             io.prefix.close()
-        cache.close()
+        if cache is not None:
+            cache.close()
     if streamer is not None:
         streamer.end()
     if config.stats is not None:

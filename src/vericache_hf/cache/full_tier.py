@@ -2,7 +2,8 @@
 
 Storage is one (B, H_kv, capacity, D) buffer per keys and values in host memory (pinned when CUDA is present, so
 host->device copies can run asynchronously), grown by whole chunks of `chunk_tokens`, geometrically. Appends write in
-place past `length`; rollback is a length change. A verify pass on the CPU reads the buffer itself: its new tokens
+place past `length`; rollback is a length change. Rows (a cohort's requests) join and leave in place too: the buffers
+keep spare rows, also grown geometrically. A verify pass on the CPU reads the buffer itself: its new tokens
 are written after `length` (`extend_view`), and a commit only moves the length (`commit_in_place`).
 
 A transfer to the device reads a `HostSnapshot`: the buffers and the length at the moment it was requested. Appends
@@ -75,8 +76,10 @@ class HostKVStore:
             )
         self.chunk_tokens = chunk_tokens
         self.pin_memory = pinned_memory_available() if pin_memory is None else pin_memory
-        self.keys: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # the rows in use of `_buffers`
         self.values: torch.Tensor | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._row_capacity = 0
         self.length = 0
         self.uncommitted = 0  # tokens `extend_view` wrote after `length`
         self.transfers_in_flight = 0
@@ -90,22 +93,73 @@ class HostKVStore:
         if needed <= self.capacity:
             return
         capacity = round_up(max(needed, 2 * self.capacity), self.chunk_tokens)
+        rows = self.keys.shape[0] if self.keys is not None else keys.shape[0]
+        self._grow(rows, max(rows, self._row_capacity), capacity, keys, values)
+
+    def _grow(
+        self, rows: int, row_capacity: int, capacity: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """New buffers of `row_capacity` rows and `capacity` slots (their first `rows` rows in use), holding what
+        the old ones held. `keys`/`values` give the head count, head sizes and dtype."""
         old = (self.keys, self.values)
-        self.keys, self.values = (
+        self._buffers = tuple(
             torch.empty(
-                (*like.shape[:2], capacity, like.shape[3]),
+                (row_capacity, like.shape[1], capacity, like.shape[3]),
                 dtype=like.dtype,
                 device="cpu",
                 pin_memory=self.pin_memory,
             )
             for like in (keys, values)
         )
+        self._row_capacity = row_capacity
+        self.keys, self.values = (buffer[:rows] for buffer in self._buffers)
         if old[0] is not None and self.length:
             if self.pin_memory:  # appends from any device may still be in flight into the old buffers
                 for device in range(torch.cuda.device_count()):
                     torch.cuda.synchronize(device)
-            self.keys[:, :, : self.length] = old[0][:, :, : self.length]
-            self.values[:, :, : self.length] = old[1][:, :, : self.length]
+            kept = min(rows, old[0].shape[0])
+            self.keys[:kept, :, : self.length] = old[0][:kept, :, : self.length]
+            self.values[:kept, :, : self.length] = old[1][:kept, :, : self.length]
+
+    # -- rows joining and leaving (a cohort's requests, between rounds) ------------------------------------------
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Add (m, H, n, D) rows after the stored ones, without moving those: the store grows to the longer of
+        the two lengths, each side padded with zeros (masked slots): the stored rows after their tokens, the new
+        rows in front of theirs. Returns the new rows' padding; the stored rows' is the growth in `length`."""
+        self._check_no_transfer("add rows to")
+        rows, extra, length = self.keys.shape[0], keys.shape[0], max(self.length, keys.shape[2])
+        if rows + extra > self._row_capacity or length > self.capacity:
+            capacity = max(self.capacity, round_up(length, self.chunk_tokens))
+            self._grow(rows, max(rows + extra, 2 * self._row_capacity), capacity, keys, values)
+        self.keys, self.values = (buffer[: rows + extra] for buffer in self._buffers)
+        pad = length - keys.shape[2]
+        for stored, new in ((self.keys, keys), (self.values, values)):
+            stored[:rows, :, self.length : length].zero_()
+            stored[rows:, :, :pad].zero_()
+            stored[rows:, :, pad:length].copy_(new)
+        self.length = length
+        return pad
+
+    def keep_rows(self, rows: list[int], drop_front: int = 0) -> None:
+        """Keep only `rows` (ascending), moved up in place, and drop the first `drop_front` slots (masked in every
+        kept row)."""
+        self._check_no_transfer("drop rows of")
+        if rows != sorted(set(rows)):
+            raise ValueError(f"keep_rows takes ascending, distinct row indices; got {rows}.")
+        for target, source in enumerate(rows):
+            if target != source:
+                self.keys[target, :, : self.length] = self.keys[source, :, : self.length]
+                self.values[target, :, : self.length] = self.values[source, :, : self.length]
+        self.keys, self.values = (buffer[: len(rows)] for buffer in self._buffers)
+        if drop_front:
+            kept = slice(drop_front, self.length)
+            self.keys[:, :, : self.length - drop_front] = self.keys[:, :, kept].clone()
+            self.values[:, :, : self.length - drop_front] = self.values[:, :, kept].clone()
+            self.length -= drop_front
+
+    def _check_no_transfer(self, what: str) -> None:
+        if self.transfers_in_flight or self.uncommitted:
+            raise RuntimeError(f"cannot {what} a full-tier store while a transfer or a verify pass reads it.")
 
     def _write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         count = keys.shape[-2]

@@ -1,10 +1,10 @@
 """Rows joining and leaving a `VeriCache` between rounds: what lets requests share forward passes (a cohort, see
 `cohort.py`) while each joins after its own prefill and leaves when it stops.
 
-Both operations build a new cache from the old ones' committed state; neither runs a forward pass. Rows are aligned
-on the right, as left padding aligns a batch: a shorter row gets masked slots in front (its positions are explicit,
-so padding never shifts its rotary phase). The full tier is copied row by row; slots that no row holds any more are
-trimmed. The draft tier of a compressor that works from K/V alone is left to be rebuilt from the new full tier
+Neither runs a forward pass. The full tier changes in place (`HostKVStore.add_rows` and `keep_rows`): a joining row
+is written after the stored ones, each padded with masked slots to the longer length (positions are explicit, so a
+masked slot never shifts a row's rotary phase), and rows that stay are moved up over the ones that leave. The draft
+tier of a compressor that works from K/V alone is left to be rebuilt from the new full tier
 (`build_draft_tier`, the next time drafting needs it); a query-aware compressor's token-dropped tier is carried over
 through its `export`/`restore`, since it cannot be rebuilt. Call them between rounds only: no pass in flight, no
 drafts, no pending tokens.
@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..stats import VeriCacheStats
 from .draft_tier import DraftStore, TokenStore
 from .vericache import VeriCache
-
-#: What a token-dropped tier's `export` holds: its slots and their validity, laid out like the full tier's.
-TOKEN_STATE = {"keys", "values", "valid"}
 
 
 def can_share_rows(cache: VeriCache) -> bool:
@@ -31,41 +27,55 @@ def can_share_rows(cache: VeriCache) -> bool:
     return cache.compressor.restorable and all(type(layer.draft) is TokenStore for layer in cache.layers)
 
 
-def stack(caches: list[VeriCache], stats: VeriCacheStats | None = None) -> VeriCache:
-    """One cache holding every row of `caches`, in order, counting into `stats` (by default the first's; its
-    settings and transfer queue too)."""
-    for cache in caches:
-        _check_between_rounds(cache)
-    first = caches[0]
-    length = max(cache.full_valid.shape[-1] for cache in caches)
-    valid = torch.cat([_pad_left(cache.full_valid, length, 1, False) for cache in caches])
-    full = [
-        tuple(
-            torch.cat([_pad_left(kv, length, 2, 0) for kv in side])
-            for side in zip(*(cache.layers[i].full.view() for cache in caches), strict=True)
+def join(cache: VeriCache, others: list[VeriCache]) -> None:
+    """Add every row of `others` after `cache`'s own, in place (its stats, settings and transfer queue stay)."""
+    for each in (cache, *others):
+        _check_between_rounds(each)
+    valid = cache.full_valid
+    for other in others:
+        length = max(valid.shape[-1], other.full_valid.shape[-1])
+        valid = torch.cat(
+            [_pad(valid, length, 1, False, left=False), _pad(other.full_valid, length, 1, False)]
         )
-        for i in range(len(first.layers))
-    ]
-    drafts = None
-    if not first.draft_tier_rebuildable:
-        drafts = [
-            first.compressor.restore(_stacked_state([cache.layers[i].draft for cache in caches]))
-            for i in range(len(first.layers))
-        ]
-    return _rebuilt(first, full, valid, drafts, stats or first.stats)
+    for i, layer in enumerate(cache.layers):
+        for other in others:
+            layer.full.add_rows(*other.layers[i].full.view())
+        if cache.draft_tier_rebuildable:
+            layer.draft = None  # rebuilt from the joined full tier when drafting next needs it
+        else:
+            stores = [layer.draft, *(other.layers[i].draft for other in others)]
+            layer.draft = cache.compressor.restore(_stacked_state(stores))
+    cache.rows_changed(valid)
 
 
-def select(cache: VeriCache, rows: list[int]) -> VeriCache:
-    """A cache holding only `rows` of `cache`, in that order, without the slots none of them holds."""
+def keep(cache: VeriCache, rows: list[int]) -> None:
+    """Keep only `rows` (ascending) of `cache`, in place. Slots that no kept row holds are dropped once they are
+    at least half the tier (moving the rest costs a copy of the tier, so not at every row that leaves)."""
     _check_between_rounds(cache)
-    index = torch.tensor(rows, dtype=torch.long)
+    valid = cache.full_valid[rows]
+    dead = int(valid.any(dim=0).long().argmax())  # leading slots no kept row holds
+    drop = dead if 2 * dead >= valid.shape[-1] else 0
+    for layer in cache.layers:
+        layer.full.keep_rows(rows, drop)
+        if cache.draft_tier_rebuildable:
+            layer.draft = None
+        else:
+            layer.draft = cache.compressor.restore(_selected_state(layer.draft, torch.tensor(rows)))
+    cache.rows_changed(valid[:, drop:])
+
+
+def copy_row(cache: VeriCache, row: int) -> VeriCache:
+    """A new one-row cache holding a copy of `row` of `cache` (its stats, settings and transfer queue too)."""
+    _check_between_rounds(cache)
+    index = torch.tensor([row])
     valid = cache.full_valid[index]
-    first = int(valid.any(dim=0).long().argmax())  # leading slots no kept row holds
-    full = [tuple(kv[index][:, :, first:] for kv in layer.full.view()) for layer in cache.layers]
+    held = valid[0].nonzero()[:, 0]
+    first, end = int(held[0]), int(held[-1]) + 1  # the row's masked slots in front and behind are left out
+    full = [tuple(kv[index][:, :, first:end] for kv in layer.full.view()) for layer in cache.layers]
     drafts = None
     if not cache.draft_tier_rebuildable:
         drafts = [cache.compressor.restore(_selected_state(layer.draft, index)) for layer in cache.layers]
-    return _rebuilt(cache, full, valid[:, first:], drafts, cache.stats)
+    return _rebuilt(cache, full, valid[:, first:end], drafts)
 
 
 def _check_between_rounds(cache: VeriCache) -> None:
@@ -78,22 +88,24 @@ def _check_between_rounds(cache: VeriCache) -> None:
         )
 
 
-def _pad_left(tensor: torch.Tensor, length: int, dim: int, fill) -> torch.Tensor:
+def _pad(tensor: torch.Tensor, length: int, dim: int, fill, left: bool = True) -> torch.Tensor:
+    """`tensor` padded along `dim` to `length` with `fill`, in front (left) or behind."""
     missing = length - tensor.shape[dim]
     if not missing:
         return tensor
     shape = list(tensor.shape)
     shape[dim] = missing
-    return torch.cat([tensor.new_full(shape, fill), tensor], dim=dim)
+    padding = tensor.new_full(shape, fill)
+    return torch.cat([padding, tensor] if left else [tensor, padding], dim=dim)
 
 
 def _stacked_state(stores: list[DraftStore]) -> dict[str, torch.Tensor]:
     states = [store.export() for store in stores]
     length = max(state["valid"].shape[-1] for state in states)
     return {
-        "keys": torch.cat([_pad_left(state["keys"], length, 2, 0) for state in states]),
-        "values": torch.cat([_pad_left(state["values"], length, 2, 0) for state in states]),
-        "valid": torch.cat([_pad_left(state["valid"], length, 1, False) for state in states]),
+        "keys": torch.cat([_pad(state["keys"], length, 2, 0) for state in states]),
+        "values": torch.cat([_pad(state["values"], length, 2, 0) for state in states]),
+        "valid": torch.cat([_pad(state["valid"], length, 1, False) for state in states]),
     }
 
 
@@ -114,14 +126,13 @@ def _rebuilt(
     full: list[tuple[torch.Tensor, torch.Tensor]],
     valid: torch.Tensor,
     drafts: list[DraftStore] | None,
-    stats: VeriCacheStats,
 ) -> VeriCache:
     """A cache with `template`'s settings, stats and transfer queue, holding the given full tier (each layer's
     (B, H, T, D) keys and values, `valid` (B, T)) and draft tier (None: rebuilt when drafting next needs it)."""
     cache = VeriCache(
         len(template.layers),
         template.compressor,
-        stats=stats,
+        stats=template.stats,
         chunk_tokens=template.chunk_tokens,
         transfers=template.transfers,
         refresh_policy=template.refresh_policy,
@@ -132,5 +143,5 @@ def _rebuilt(
         layer.lazy_initialization(like, like)
         layer.full.append(*full[i])
         layer.draft = drafts[i] if drafts is not None else None
-    cache.adopt_rows(valid)
+    cache.rows_changed(valid)
     return cache

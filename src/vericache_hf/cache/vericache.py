@@ -254,11 +254,9 @@ class VeriCache(Cache):
         self._layer_loaded = [False] * len(self.layers)
         self._load_timeout = timeout
 
-    def adopt_rows(self, valid: torch.Tensor) -> None:
-        """Start from rows that other caches held, instead of a prefill (`rows.stack` and `rows.select` filled each
-        layer's tiers): `valid` (B, T) marks the full tier's real slots."""
-        if self.full_valid is not None:
-            raise RuntimeError("adopt_rows replaces the prefill; create a new cache for new rows.")
+    def rows_changed(self, valid: torch.Tensor) -> None:
+        """Rows joined or left between rounds (`rows.py` rewrote each layer's tiers): `valid` (B, T) marks the full
+        tier's real slots now."""
         self.prompt_valid = self.full_valid = valid.bool()
         self._full_dense = bool(self.full_valid.all())
 
