@@ -190,6 +190,7 @@ def main() -> None:
         f"{r['identical']}/{args.requests} |"
         for r in rows
     ]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     plot_timelines(rows, args.plot_link, Path(args.out))
     timelines = {f"{r['method']}@{r['link_GBps']:g}": r.pop("timeline") for r in rows}
     save_results(args.out, rows, lines)

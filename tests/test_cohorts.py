@@ -16,7 +16,7 @@ from vericache_hf.decoding import _build_cache
 from vericache_hf.loop import DecodeIO, begin
 
 from .conftest import random_prompt, tiny_model
-from .test_engine import no_engine_thread_left, prompts, stock
+from .test_engine import no_engine_thread_left, prompts, staged_config, stock
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +123,7 @@ def test_a_fault_in_a_shared_pass_sends_the_rows_to_decode_alone(served, monkeyp
 
     monkeypatch.setattr(TransferEngine, "_copy", copy_one_row_only)
     inputs = prompts(3, seed=160)
-    config = VeriCacheConfig(
-        compressor="streaming_llm",
-        compression_ratio=0.75,
-        draft_length=4,
-        stage_on_cpu=True,
-        transfer_timeout=10,
-    )
+    config = staged_config(emulated_link_bytes_per_s=None, transfer_timeout=10)
     outs, _ = serve(served, inputs, config, [16] * 3, cohorts=1, cohort_size=3)
     for out, prompt in zip(outs, inputs, strict=True):
         assert out.status == RequestStatus.FINISHED, out.error
@@ -141,15 +135,7 @@ def test_a_timeline_records_each_cohorts_spans_on_its_own_track(served):
     tiers are planned into two cohorts (nothing measured yet), so one's copies run beside the other's drafting."""
     timeline = Timeline()
     inputs = prompts(4, seed=180)
-    config = VeriCacheConfig(
-        compressor="streaming_llm",
-        compression_ratio=0.75,
-        draft_length=4,
-        draft_schedule="fixed",
-        stage_on_cpu=True,
-        emulated_link_bytes_per_s=50e6,
-        timeline=timeline,
-    )
+    config = staged_config(draft_schedule="fixed", timeline=timeline)
     outs, shared = serve(served, inputs, config, [16] * 4)
     for out, prompt in zip(outs, inputs, strict=True):
         assert out.status == RequestStatus.FINISHED, out.error

@@ -283,17 +283,17 @@ def test_model_generate_batch_routes_to_the_engine(served):
         served.generate_batch(inputs, generation_mode="lookahead")
 
 
+def staged_config(**config) -> VeriCacheConfig:
+    """StreamingLLM whose full tier is staged through the engine's queue (`stage_on_cpu`) over a 50 MB/s emulated
+    link (override any of it)."""
+    settings = dict(compressor="streaming_llm", compression_ratio=0.75, draft_length=4, stage_on_cpu=True)
+    return VeriCacheConfig(**(settings | {"emulated_link_bytes_per_s": 50e6} | config))
+
+
 def served_over_an_emulated_link(served, inputs, new_tokens: int, cohort_size="auto", **config):
     """`generate_batch` with every full tier staged through the engine's queue (`stage_on_cpu`) over a 50 MB/s
     emulated link; checks each output against stock and returns the results."""
-    config = VeriCacheConfig(
-        compressor="streaming_llm",
-        compression_ratio=0.75,
-        draft_length=4,
-        stage_on_cpu=True,
-        emulated_link_bytes_per_s=50e6,
-        **config,
-    )
+    config = staged_config(**config)
     results = generate_batch(
         served,
         inputs,

@@ -98,3 +98,13 @@ def test_reused_prefix_is_exact_on_the_real_model(smollm2, code_prompt, full_out
         )
         assert torch.equal(got, expected), f"request {index}"
         assert stats.prefix_tokens_reused == (0 if index == 0 else 1024)
+
+
+def test_the_serving_example_runs_and_every_answer_is_exact():
+    """`examples/serve_many.py`: four fp32 SmolLM2 requests through the engine in shared passes, one streamed; the
+    example asserts each answer equals stock `generate` of its prompt."""
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "serve_many.py"
+    runpy.run_path(str(example), run_name="__main__")

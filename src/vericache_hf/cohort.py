@@ -311,6 +311,7 @@ class CohortPool:
 
     def decode(self, member: Member) -> Sequences:
         """Decode `member` in a cohort to the end; returns its row's tokens, or raises what failed its request."""
+        _settle(member)  # its prefill ran on this thread's stream; the cohort's runs on another
         with self._changed:
             if self._closed:
                 raise RuntimeError("this cohort pool is closed; its engine was stopped.")
@@ -390,10 +391,14 @@ class CohortPool:
 
     @torch.no_grad()  # as stock `generate` runs, where the members' caches were made
     def _run(self, slot: int) -> None:
-        while (cohort := self._next(slot)) is not None:
-            timeline = cohort.config.timeline
-            with timeline.track(f"cohort_{slot}") if timeline is not None else nullcontext():
-                self._round(cohort)
+        # On CUDA each cohort computes on its own stream: one cohort's verify pass waiting for its copies holds
+        # back none of another's draft steps.
+        device = self.model.device
+        with torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext():
+            while (cohort := self._next(slot)) is not None:
+                timeline = cohort.config.timeline
+                with timeline.track(f"cohort_{slot}") if timeline is not None else nullcontext():
+                    self._round(cohort)
 
     def _next(self, slot: int) -> Cohort | None:
         """This slot's cohort after admitting who may join (between rounds), once it has rows; None once the pool
@@ -472,4 +477,12 @@ class CohortPool:
             self._active -= len(members)
             self._changed.notify_all()
         for member in members:
+            _settle(member)  # the request's thread reads its tokens next, on its own stream
             member.finish(error)
+
+
+def _settle(member: Member) -> None:
+    """Wait for this thread's CUDA work on the member's tensors, before another thread (on another stream) takes
+    them over."""
+    if member.state.seqs.tokens.is_cuda:
+        torch.cuda.current_stream(member.state.seqs.tokens.device).synchronize()
