@@ -99,16 +99,17 @@ class VeriCacheEngine:
     """Serve requests with VeriCache decoding from any thread, at any time.
 
     `vericache_config` and `generate_kwargs` (for example `do_sample=False`) apply to every request; `add_request`
-    takes per-request ones on top. `max_concurrent` requests are served at once; they share forward passes in
-    `cohorts` cohorts of at most `cohort_size` (each "auto": planned from measured times; `cohort_size=1`: every
-    request alone). Use it as a context manager, or call `start()` and `stop()`.
+    takes per-request ones on top. `max_concurrent` requests are served at once (each holds its full tier in host
+    memory meanwhile; the rest wait in order); they share forward passes in `cohorts` cohorts of at most
+    `cohort_size` (each "auto": planned from measured times; `cohort_size=1`: every request alone, each prefilling
+    on its own worker, so lower `max_concurrent` then). Use it as a context manager, or call `start()` and `stop()`.
     """
 
     def __init__(
         self,
         model,
         vericache_config=None,
-        max_concurrent: int = 2,
+        max_concurrent: int = 8,
         device_memory_budget: int | str | None = None,
         cohorts: int | str = "auto",
         cohort_size: int | str = "auto",
@@ -382,7 +383,7 @@ def generate_batch(
     inputs: Sequence[Sequence[int] | torch.Tensor],
     max_new_tokens: int | None = None,
     vericache_config=None,
-    max_concurrent: int = 2,
+    max_concurrent: int = 8,
     device_memory_budget: int | str | None = None,
     cohorts: int | str = "auto",
     cohort_size: int | str = "auto",
