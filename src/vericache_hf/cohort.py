@@ -172,17 +172,12 @@ class Cohort:
         left = []
         for b in leaving:
             member = self.members[b]
-            member.state.seqs = _rows_of(self.state.seqs, [b])
+            member.state = _rows_of(self.state, [b])
             left.append(member)
         if keep:
             record_sizes(self.cache)
             rows.keep(self.cache, keep)
-            self.state = Decoding(
-                _rows_of(self.state.seqs, keep),
-                self.state.pending[keep],
-                self.state.positions[keep],
-                self.state.prefix[keep],
-            )
+            self.state = _rows_of(self.state, keep)
         else:
             self.close()
         self._set_members([self.members[b] for b in keep])
@@ -194,12 +189,7 @@ class Cohort:
         members = self.members
         for b, member in enumerate(members):
             member.cache = rows.copy_row(self.cache, b)
-            member.state = Decoding(
-                _rows_of(self.state.seqs, [b]),
-                self.state.pending[b : b + 1],
-                self.state.positions[b : b + 1],
-                self.state.prefix[b : b + 1],
-            )
+            member.state = _rows_of(self.state, [b])
             member.key = (member.key, "alone", id(member))
         self.clear()
         return members
@@ -249,8 +239,10 @@ def _stacked(states: list[Decoding]) -> Decoding:
     )
 
 
-def _rows_of(seqs: Sequences, keep: list[int]) -> Sequences:
-    return Sequences(
+def _rows_of(state: Decoding, keep: list[int]) -> Decoding:
+    """The state of rows `keep` alone."""
+    seqs = state.seqs
+    kept = Sequences(
         seqs.tokens[keep],
         [seqs.lengths[b] for b in keep],
         [seqs.unfinished[b] for b in keep],
@@ -258,6 +250,7 @@ def _rows_of(seqs: Sequences, keep: list[int]) -> Sequences:
         [seqs.raw_logits[b] for b in keep],
         [seqs.starts[b] for b in keep],
     )
+    return Decoding(kept, state.pending[keep], state.positions[keep], state.prefix[keep])
 
 
 def plan(
@@ -374,13 +367,11 @@ class CohortPool:
             if key is None:
                 return []
             count = slot + 1
+        others = [
+            len(c.members) if c is not None else 0 for i, c in enumerate(self._running[:count]) if i != slot
+        ]
         taken = []
         for member in list(self._joining):
-            others = [
-                len(c.members) if c is not None else 0
-                for i, c in enumerate(self._running[:count])
-                if i != slot
-            ]
             if held + len(taken) >= size or (others and held + len(taken) > min(others)):
                 break
             if key is None or member.key == key:

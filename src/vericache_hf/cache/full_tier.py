@@ -122,10 +122,10 @@ class HostKVStore:
             self.values[:kept, :, : self.length] = old[1][:kept, :, : self.length]
 
     # -- rows joining and leaving (a cohort's requests, between rounds) ------------------------------------------
-    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add (m, H, n, D) rows after the stored ones, without moving those: the store grows to the longer of
         the two lengths, each side padded with zeros (masked slots): the stored rows after their tokens, the new
-        rows in front of theirs. Returns the new rows' padding; the stored rows' is the growth in `length`."""
+        rows in front of theirs."""
         self._check_no_transfer("add rows to")
         rows, extra, length = self.keys.shape[0], keys.shape[0], max(self.length, keys.shape[2])
         if rows + extra > self._row_capacity or length > self.capacity:
@@ -138,7 +138,6 @@ class HostKVStore:
             stored[rows:, :, :pad].zero_()
             stored[rows:, :, pad:length].copy_(new)
         self.length = length
-        return pad
 
     def keep_rows(self, rows: list[int], drop_front: int = 0) -> None:
         """Keep only `rows` (ascending), moved up in place, and drop the first `drop_front` slots (masked in every

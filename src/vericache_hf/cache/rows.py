@@ -53,7 +53,7 @@ def keep(cache: VeriCache, rows: list[int]) -> None:
     at least half the tier (moving the rest costs a copy of the tier, so not at every row that leaves)."""
     _check_between_rounds(cache)
     valid = cache.full_valid[rows]
-    dead = int(valid.any(dim=0).long().argmax())  # leading slots no kept row holds
+    dead = _leading_dead(valid)
     drop = dead if 2 * dead >= valid.shape[-1] else 0
     for layer in cache.layers:
         layer.full.keep_rows(rows, drop)
@@ -99,6 +99,11 @@ def _pad(tensor: torch.Tensor, length: int, dim: int, fill, left: bool = True) -
     return torch.cat([padding, tensor] if left else [tensor, padding], dim=dim)
 
 
+def _leading_dead(valid: torch.Tensor) -> int:
+    """How many leading slots of (B, T) `valid` no row holds."""
+    return int(valid.any(dim=0).long().argmax())
+
+
 def _stacked_state(stores: list[DraftStore]) -> dict[str, torch.Tensor]:
     states = [store.export() for store in stores]
     length = max(state["valid"].shape[-1] for state in states)
@@ -112,7 +117,7 @@ def _stacked_state(stores: list[DraftStore]) -> dict[str, torch.Tensor]:
 def _selected_state(store: DraftStore, index: torch.Tensor) -> dict[str, torch.Tensor]:
     state = store.export()
     valid = state["valid"][index.to(state["valid"].device)]
-    first = int(valid.any(dim=0).long().argmax())
+    first = _leading_dead(valid)
     rows = index.to(state["keys"].device)
     return {
         "keys": state["keys"][rows][:, :, first:],
