@@ -108,7 +108,7 @@ def ratio(seconds: float, timeline) -> float:
     return seconds / busy if busy else 0.0
 
 
-COLORS = dict(zip(KINDS, ("tab:gray", "tab:olive", "tab:blue", "tab:orange", "tab:green"), strict=True))
+COLORS = dict(zip(KINDS, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True))
 
 
 def plot_timelines(rows: list[dict], link_gbps: float, out: Path) -> None:

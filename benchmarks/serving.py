@@ -3,8 +3,7 @@ as a Poisson stream, answered by stock static batching, transformers' continuous
 batches (lockstep), the VeriCache engine with every request alone (`cohort_size=1`: one call per request on
 `--batch` worker threads, one transfer queue) and the VeriCache engine with cohorts (requests share forward passes,
 joining after their prefill and leaving when they stop; cohorts planned from measured times, `--concurrent`
-requests at once; a new prompt's prefill takes turns with the running rounds, a slice of layers at a time), and the
-same with each prefill running side by side with the rounds (`prefill_slice_seconds=None`).
+requests at once).
 
 Each method runs in its own process, so that its peak RSS is its own. Reports total tokens/s, time to first token
 (from each request's arrival), p50/p99 inter-token latency, the share of requests identical to stock `generate` of
@@ -36,7 +35,6 @@ METHODS = (
     "hf-generate-batch",
     "vericache-batches",
     "vericache-engine-alone",
-    "vericache-engine-side-by-side",
     "vericache-engine",
 )
 
@@ -158,7 +156,6 @@ def run(method: str, args) -> dict:
         "tokens": tokens,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "rows_per_round": round(shared.get("mean_rows_per_round", 0.0), 2),
-        "prefill_slices": shared.get("prefill_slices", 0),
     }
 
 
@@ -176,7 +173,6 @@ def serve_as_they_arrive(method, model, inputs, offsets, started, config, new, a
             config,
             max_concurrent=args.batch if alone else args.concurrent,
             cohort_size=1 if alone else "auto",
-            prefill_slice_seconds=None if method == "vericache-engine-side-by-side" else "auto",
             **new,
         )
         with engine:
@@ -260,14 +256,13 @@ def main() -> None:
         f"with cohorts serving {args.concurrent} at once; VeriCache snapkv@0.875.",
         "",
         "| method | tokens/s | mean TTFT (s) | ITL p50 (ms) | ITL p99 (ms) | ITL p99 beside a prefill (ms, gaps) | "
-        "ITL p99 otherwise (ms) | identical | peak RSS (MiB) | requests per shared pass | prefill slices |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ITL p99 otherwise (ms) | identical | peak RSS (MiB) | requests per shared pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['method']} | {r['tokens_per_s']} | {r['ttft_mean_s']} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | "
         f"{r['itl_p99_beside_prefill_ms']} ({r['gaps_beside_prefill']}) | {r['itl_p99_apart_ms']} | "
-        f"{r['identical']}/{args.requests} | {r['peak_rss_mib']} | {r['rows_per_round'] or ''} | "
-        f"{r['prefill_slices'] or ''} |"
+        f"{r['identical']}/{args.requests} | {r['peak_rss_mib']} | {r['rows_per_round'] or ''} |"
         for r in rows
     ]
     save_results(args.out, rows, lines)

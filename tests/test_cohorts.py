@@ -149,40 +149,6 @@ def test_a_timeline_records_each_cohorts_spans_on_its_own_track(served):
     assert timeline.overlap_seconds("transfer", "draft") > 0
 
 
-@pytest.mark.parametrize("slice_seconds", [0, "auto"])
-def test_a_prefill_takes_turns_with_the_running_rounds(served, slice_seconds):
-    """A long prompt arrives while a request decodes: its prefill runs in slices of layers, the running cohort's
-    rounds run between the slices and never during one, and both outputs equal stock's."""
-    timeline = Timeline()
-    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, draft_length=4, timeline=timeline)
-    running, arriving = prompts(1, seed=200)[0], random_prompt(900, seed=201)[0].tolist()
-    with VeriCacheEngine(served, config, do_sample=False, prefill_slice_seconds=slice_seconds) as engine:
-        first = engine.add_request(running, max_new_tokens=400)
-        for partial in engine.request_id_iter(first, timeout=60):  # it is in a cohort once it drafted a round
-            if len(partial.generated_tokens) > 1:
-                break
-        second = engine.add_request(arriving, max_new_tokens=8)
-        outs = [engine.get_result(request_id, timeout=120) for request_id in (first, second)]
-        turns = engine.cohort_stats()
-    assert no_engine_thread_left()
-    for out, prompt, count in zip(outs, (running, arriving), (400, 8), strict=True):
-        assert out.status == RequestStatus.FINISHED, out.error
-        assert out.generated_tokens == stock(served, prompt, count)
-    spans = timeline.to_dicts()
-    (prefill,) = [s for s in spans if s["kind"] == "prefill" and s["track"] == second]
-    slices = [s for s in spans if s["kind"] == "prefill_slice" and s["track"] == second]
-    rounds = [s for s in spans if s["kind"] in ("draft", "verify") and s["track"].startswith("cohort_")]
-    between = [r for r in rounds if prefill["start"] < r["start"] and r["end"] < prefill["end"]]
-    assert len(slices) >= 2 and turns["prefill_slices"] >= len(slices)
-    assert between, "the running request made no progress during the prefill"
-    assert not [(r, s) for r in rounds for s in slices if r["start"] < s["end"] and s["start"] < r["end"]]
-
-
-def test_bad_prefill_slices_get_clear_errors(served):
-    with pytest.raises(ValueError, match="prefill_slice_seconds must be seconds >= 0, 'auto' or None"):
-        VeriCacheEngine(served, prefill_slice_seconds=-1)
-
-
 def test_the_plan_hides_each_cohorts_copy_behind_the_others_compute():
     assert plan(8, copy_seconds=0.0, compute_seconds=1.0) == (1, 8)  # nothing to copy: one shared batch
     assert plan(8, copy_seconds=0.5, compute_seconds=1.0) == (2, 4)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -32,7 +32,6 @@ from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
 from .loop import DecodeIO, Decoding, Sequences, record_sizes, run_round
 from .stats import VeriCacheStats
-from .timeline import Timeline
 
 #: The most cohorts `cohorts="auto"` runs at once.
 MOST_COHORTS = 4
@@ -270,124 +269,19 @@ def plan(
     return count, math.ceil(requests / count)
 
 
-class PrefillTurns:
-    """A new prompt's prefill and the cohorts' rounds take turns on the compute, so the running requests wait for a
-    slice of the prefill, never for the whole of it (interleaved prefill, a layer at the finest).
-
-    The prefill runs a slice of its layers, about `slice_seconds` long ("auto": one round's measured time), then
-    waits while every cohort that holds rows runs a round; no round starts during a slice. A running request then
-    waits about one slice (at least one layer of the prompt) beside a prefill, and the prefill keeps about half the
-    machine. With `slice_seconds=None` the two run side by side (on CUDA, where each runs on its own stream and the
-    device interleaves their kernels)."""
-
-    def __init__(self, slice_seconds: float | str | None, busy: Callable[[], int]) -> None:
-        self.slice_seconds = slice_seconds
-        self._busy = busy  # how many cohorts hold rows: the rounds a slice waits for
-        self._changed = threading.Condition()
-        self._rounds = 0  # rounds running now
-        self._done = 0  # rounds finished
-        self._slice = False  # a prefill slice holds the compute
-        self._wanted = False  # a slice waits for the running rounds to end: no new round starts meanwhile
-        self._round_seconds = 0.0  # one round's wall time (decaying mean)
-        self._slice_started = 0.0
-        self.slices = 0
-        self.yielded_seconds = 0.0  # prefills' time spent waiting for rounds
-
-    @contextmanager
-    def round(self) -> Iterator[None]:
-        """A cohort's round: it starts between slices."""
-        if self.slice_seconds is None:
-            yield
-            return
-        with self._changed:
-            self._changed.wait_for(lambda: not (self._slice or self._wanted))
-            self._rounds += 1
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            took = time.perf_counter() - started
-            with self._changed:
-                self._round_seconds = 0.7 * self._round_seconds + 0.3 * took if self._done else took
-                self._rounds -= 1
-                self._done += 1
-                self._changed.notify_all()
-
-    @contextmanager
-    def prefill(self, timeline: Timeline | None = None) -> Iterator[Callable[[], None] | None]:
-        """A prompt's prefill (one at a time): yields what its pass calls between layers, or None without turns."""
-        if self.slice_seconds is None:
-            yield None
-            return
-        self._begin_slice()
-        try:
-            yield lambda: self._between_layers(timeline)
-        finally:
-            self._end_slice(timeline)
-
-    def _between_layers(self, timeline: Timeline | None) -> None:
-        budget = self._round_seconds if self.slice_seconds == "auto" else self.slice_seconds
-        if time.perf_counter() - self._slice_started < budget or not self._busy():
-            return
-        self._end_slice(timeline)
-        asked = time.perf_counter()
-        with self._changed:
-            target = self._done + self._busy()
-            while self._done < target and self._busy():  # a cohort that empties stops counting
-                self._changed.wait(0.5)
-        self._begin_slice(asked)
-
-    def _begin_slice(self, asked: float | None = None) -> None:
-        asked = asked or time.perf_counter()
-        with self._changed:
-            self._wanted = True
-            self._changed.wait_for(lambda: self._rounds == 0)
-            self._wanted, self._slice = False, True
-            self._slice_started = time.perf_counter()
-            self.yielded_seconds += self._slice_started - asked
-            self.slices += 1
-
-    def _end_slice(self, timeline: Timeline | None) -> None:
-        with self._changed:
-            self._slice = False
-            self._changed.notify_all()
-        if timeline is not None:
-            timeline.add("prefill_slice", self._slice_started, time.perf_counter())
-
-
 class CohortPool:
     """Cohorts on their own threads; requests join one between its rounds (`decode`).
 
     `cohorts` is how many run at once and `cohort_size` the most requests in one: numbers, or "auto" (`plan`, from
     the copy and compute times that rounds measure; before any, one cohort where full tiers are read in place,
-    two where they stream to a device). `prefill_slice_seconds` is how long a new prompt's prefill runs before the
-    running rounds take their turn (`PrefillTurns`): seconds, "auto" (one round's time; on CUDA, None) or None
-    (side by side)."""
+    two where they stream to a device)."""
 
-    def __init__(
-        self,
-        model,
-        cohorts: int | str = "auto",
-        cohort_size: int | str = "auto",
-        prefill_slice_seconds: float | str | None = "auto",
-    ) -> None:
+    def __init__(self, model, cohorts: int | str = "auto", cohort_size: int | str = "auto") -> None:
         for name, value in (("cohorts", cohorts), ("cohort_size", cohort_size)):
             if value != "auto" and not (
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1
             ):
                 raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}.")
-        if prefill_slice_seconds not in ("auto", None) and not (
-            isinstance(prefill_slice_seconds, (int, float))
-            and not isinstance(prefill_slice_seconds, bool)
-            and prefill_slice_seconds >= 0
-        ):
-            raise ValueError(
-                f"prefill_slice_seconds must be seconds >= 0, 'auto' or None (no turns), got "
-                f"{prefill_slice_seconds!r}."
-            )
-        if prefill_slice_seconds == "auto" and model.device.type == "cuda":
-            # the prefill's stream and the cohorts' share the device kernel by kernel
-            prefill_slice_seconds = None
         self.model = model
         self.cohorts, self.cohort_size = cohorts, cohort_size
         self._slots = cohorts if cohorts != "auto" else MOST_COHORTS
@@ -398,17 +292,15 @@ class CohortPool:
         self.rounds = self.row_rounds = self.most_rows = 0
         self._changed = threading.Condition()
         self._prefills = threading.Semaphore(1)
-        self.turns = PrefillTurns(prefill_slice_seconds, self._busy)
         self._threads: list[threading.Thread] = []
         self._closed = False
 
     # -- the requests' side -------------------------------------------------------------------------------------
     @contextmanager
-    def prefilling(self, timeline: Timeline | None = None) -> Iterator[Callable[[], None] | None]:
-        """One prefill at a time, taking turns with the cohorts' rounds: yields what its pass calls between layers
-        (`PrefillTurns`)."""
-        with self._prefills, self.turns.prefill(timeline) as between_layers:
-            yield between_layers
+    def prefilling(self) -> Iterator[None]:
+        """One prefill at a time: a new prompt's pass runs beside the cohorts' rounds, not beside other prompts'."""
+        with self._prefills:
+            yield
 
     def decode(self, member: Member) -> Sequences:
         """Decode `member` in a cohort to the end; returns its row's tokens, or raises what failed its request."""
@@ -455,10 +347,6 @@ class CohortPool:
         for thread in self._threads:
             thread.start()
 
-    def _busy(self) -> int:
-        with self._changed:
-            return sum(1 for cohort in self._running if cohort is not None and cohort.members)
-
     def _running_staged(self) -> bool:
         joining = self._joining[0].cache if self._joining else None
         return joining is not None and not joining.reads_in_place()
@@ -500,8 +388,7 @@ class CohortPool:
         with torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext():
             while (cohort := self._next(slot)) is not None:
                 timeline = cohort.config.timeline
-                track = timeline.track(f"cohort_{slot}") if timeline is not None else nullcontext()
-                with track, self.turns.round():
+                with timeline.track(f"cohort_{slot}") if timeline is not None else nullcontext():
                     self._round(cohort)
 
     def _next(self, slot: int) -> Cohort | None:
@@ -569,17 +456,10 @@ class CohortPool:
         self._finish(members, error)
 
     def stats(self) -> dict[str, float]:
-        """Rounds run, and the rows they decoded together (mean and most): how much passes were shared; the prefill
-        slices that took turns with them, and how long prefills waited for rounds."""
+        """Rounds run, and the rows they decoded together (mean and most): how much passes were shared."""
         with self._changed:
             mean = self.row_rounds / self.rounds if self.rounds else 0.0
-            return {
-                "rounds": self.rounds,
-                "mean_rows_per_round": mean,
-                "most_rows_per_round": self.most_rows,
-                "prefill_slices": self.turns.slices,
-                "prefill_yield_seconds": self.turns.yielded_seconds,
-            }
+            return {"rounds": self.rounds, "mean_rows_per_round": mean, "most_rows_per_round": self.most_rows}
 
     def _finish(self, members: list[Member], error: BaseException | None = None) -> None:
         if not members:

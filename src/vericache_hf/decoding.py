@@ -110,8 +110,7 @@ def generate(
     schedule = draft_length_schedule(config, io.do_sample, PRIORS.recall(model, settings))
     cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
-        with cohorts.prefilling(io.timeline) if cohorts is not None else nullcontext() as between_layers:
-            io.between_prefill_layers = between_layers
+        with cohorts.prefilling() if cohorts is not None else nullcontext():
             state = begin(
                 model,
                 cache,

@@ -8,9 +8,7 @@ the rows of a cohort draft and verify in shared forward passes, each with its ow
 criteria and streamer, and leave when they stop. Several cohorts take turns on the device, so while one drafts,
 another's full tier streams in through the engine's one transfer queue and it verifies (the paper's staggering);
 how many cohorts and how large is planned from measured copy and compute times (`cohorts=`, `cohort_size=`
-override it; `cohort_size=1` serves every request alone on its worker, each on its own CUDA stream). A new prompt's
-prefill takes turns with the running rounds, a slice of its layers at a time (`prefill_slice_seconds`), so running
-requests wait a slice for it, not its whole prefill. Requests with
+override it; `cohort_size=1` serves every request alone on its worker, each on its own CUDA stream). Requests with
 a proposer, a prefix store or `return_dict_in_generate`, and compressors whose draft tier cannot be split by row
 (kvpress presses), decode alone on their worker.
 
@@ -104,9 +102,7 @@ class VeriCacheEngine:
     takes per-request ones on top. `max_concurrent` requests are served at once (each holds its full tier in host
     memory meanwhile; the rest wait in order); they share forward passes in `cohorts` cohorts of at most
     `cohort_size` (each "auto": planned from measured times; `cohort_size=1`: every request alone, each prefilling
-    on its own worker, so lower `max_concurrent` then). A prefill runs `prefill_slice_seconds` of its layers at a
-    time between the cohorts' rounds ("auto": one round's time; None: side by side, the default on CUDA). Use it as
-    a context manager, or call `start()` and `stop()`.
+    on its own worker, so lower `max_concurrent` then). Use it as a context manager, or call `start()` and `stop()`.
     """
 
     def __init__(
@@ -117,15 +113,12 @@ class VeriCacheEngine:
         device_memory_budget: int | str | None = None,
         cohorts: int | str = "auto",
         cohort_size: int | str = "auto",
-        prefill_slice_seconds: float | str | None = "auto",
         **generate_kwargs: Any,
     ) -> None:
         check_int("max_concurrent", max_concurrent)
         self.model = model
         # requests share forward passes in cohorts, unless each is to run alone (its own passes, its own thread)
-        self._cohorts = (
-            None if cohort_size == 1 else CohortPool(model, cohorts, cohort_size, prefill_slice_seconds)
-        )
+        self._cohorts = None if cohort_size == 1 else CohortPool(model, cohorts, cohort_size)
         self._budget = MemoryBudget(parse_bytes(device_memory_budget)) if device_memory_budget else None
         config = resolve_config(vericache_config, model.generation_config)
         # one transfer queue for every request (one link): a request's full tier streams in while others draft
@@ -394,20 +387,12 @@ def generate_batch(
     device_memory_budget: int | str | None = None,
     cohorts: int | str = "auto",
     cohort_size: int | str = "auto",
-    prefill_slice_seconds: float | str | None = "auto",
     **generate_kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Serve `inputs` to the end, as `model.generate_batch` does: outputs keyed `req_0`, `req_1`, ... in input
     order. Each request's greedy output equals stock `generate` of that prompt alone."""
     engine = VeriCacheEngine(
-        model,
-        vericache_config,
-        max_concurrent,
-        device_memory_budget,
-        cohorts,
-        cohort_size,
-        prefill_slice_seconds,
-        **generate_kwargs,
+        model, vericache_config, max_concurrent, device_memory_budget, cohorts, cohort_size, **generate_kwargs
     )
     with engine:
         ids = engine.add_requests(inputs, max_new_tokens=max_new_tokens)

@@ -81,7 +81,6 @@ class DecodeIO:
     timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
     started: float = 0.0  # perf_counter() when decoding started
     failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
-    between_prefill_layers: Callable[[], None] | None = None  # a prefill yields there to the engine's rounds
 
     def of(self, row: int) -> DecodeIO:
         """The io that reports and stops `row`: this one, or in a cohort the row's own request's
@@ -156,7 +155,7 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     """Run the prompt once on the full tier (the compressor builds the draft tier as each layer's K/V arrive);
     emit the first token. Returns the (B,) pending tokens and their positions."""
     prompt_valid = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    with cache.prefilling(model, prompt_valid, io.between_prefill_layers):
+    with cache.prefilling(model, prompt_valid):
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-KINDS = ("prefill", "prefill_slice", "draft", "transfer", "verify")
+KINDS = ("prefill", "draft", "transfer", "verify")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -96,8 +96,6 @@ class VeriCacheLayer(CacheLayerMixin):
         if self.full.length:
             raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
         owner = self.owner
-        if owner.between_layers is not None:
-            owner.between_layers()  # the prompt's pass may yield here to other requests' rounds
         owner.stats.bytes_to_host += self.full.append(keys, values)
         if owner.defers_compression(self):
             return keys, values  # `build_draft_tier` compresses these very K/V when drafting first needs them
@@ -198,7 +196,6 @@ class VeriCache(Cache):
         # no masked slot in the tier (no padding, nothing a row rejected): passes need no explicit mask
         self._full_dense = self._draft_dense = False
         self.full_tier_loading = False  # a stored prefix is being appended to the full tier by a loader
-        self.between_layers: Callable[[], None] | None = None  # called as each layer's prompt K/V arrive
         self._layer_ready: list[threading.Event] = []
         self._layer_loaded: list[bool] = []
         self._load_timeout = 60.0
@@ -216,11 +213,8 @@ class VeriCache(Cache):
             self.phase = "idle"
 
     @contextmanager
-    def prefilling(
-        self, model, prompt_valid: torch.Tensor, between_layers: Callable[[], None] | None = None
-    ) -> Iterator[None]:
-        """The prompt's forward pass. `prompt_valid` (B, T) is False on left padding. `between_layers` is called as
-        each layer's K/V arrive: a serving engine's prefill yields there to running requests' rounds."""
+    def prefilling(self, model, prompt_valid: torch.Tensor) -> Iterator[None]:
+        """The prompt's forward pass. `prompt_valid` (B, T) is False on left padding."""
         if self.full_valid is not None:
             raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
         self.prompt_valid = prompt_valid.bool()
@@ -232,11 +226,10 @@ class VeriCache(Cache):
             else nullcontext()
         )
         with self._phase("prefilling", "idle"), capture as self._capture:
-            self.between_layers = between_layers
             try:
                 yield
             finally:
-                self._capture = self.between_layers = None
+                self._capture = None
 
     def adopt_prefix(
         self, drafts: list[DraftStore], length: int, like: torch.Tensor, timeout: float = 60.0
