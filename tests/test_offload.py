@@ -273,3 +273,17 @@ def test_staging_buffers_and_chunk_size_come_from_the_config(deep_llama):
 def test_bad_transfer_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         VeriCacheConfig(**{field: value})
+
+
+def test_the_gpu_serving_benchmark_runs_its_cpu_dry_run(tmp_path):
+    """benchmarks/gpu_serving.py on a tiny model: the same KV budget holds more VeriCache requests than full-KV
+    ones, their full tiers copied through the engine's queue behind compute."""
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_serving.py"
+    spec = importlib.util.spec_from_file_location("gpu_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.main(["--dry-run", "--out", str(tmp_path)])
+    assert row["at_once"] > row["full_kv_at_once"] >= 1
+    assert row["vericache_tokens_per_s"] > 0 and row["full_kv_tokens_per_s"] > 0
+    assert row["copy_GBps"] > 0 and 0 < row["hidden_share"] <= 1
+    assert json.loads((tmp_path / "results.json").read_text()) == [row]
