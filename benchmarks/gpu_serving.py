@@ -57,6 +57,8 @@ def full_kv(model, prompts: torch.Tensor, budget: int, new_tokens: int) -> tuple
     dtype = model.dtype
     page = 256
     blocks = budget // kv_bytes(model, 1, page, dtype)
+    # auto_switch_to_flash would switch the model itself to a flash kernel where one is found, for the VeriCache run
+    # after this one too: both methods keep the model's sdpa
     config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, auto_switch_to_flash=False)
     generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None)
     started = time.perf_counter()
