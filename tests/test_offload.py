@@ -219,11 +219,18 @@ def test_a_transfer_failure_raises_from_generate_and_the_next_call_works(deep_ll
     assert no_worker_left()
 
 
+def benchmark(name: str):
+    """The module `benchmarks/<name>.py` (benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_gpu_benchmark_runs_its_cpu_dry_run(tmp_path):
-    path = Path(__file__).parents[1] / "benchmarks" / "gpu_offload.py"
-    spec = importlib.util.spec_from_file_location("gpu_offload", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark("gpu_offload")
     out = tmp_path / "rows.json"
     rows = bench.main(["--dry-run", "--batches", "2", "--json", str(out)])
     (row,) = rows
@@ -278,10 +285,7 @@ def test_bad_transfer_settings_are_refused(field, value):
 def test_the_gpu_serving_benchmark_runs_its_cpu_dry_run(tmp_path):
     """benchmarks/gpu_serving.py on a tiny model: the same KV budget holds more VeriCache requests than full-KV
     ones, their full tiers copied through the engine's queue behind compute."""
-    path = Path(__file__).parents[1] / "benchmarks" / "gpu_serving.py"
-    spec = importlib.util.spec_from_file_location("gpu_serving", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark("gpu_serving")
     row = bench.main(["--dry-run", "--out", str(tmp_path)])
     assert row["at_once"] > row["full_kv_at_once"] >= 1
     assert row["vericache_tokens_per_s"] > 0 and row["full_kv_tokens_per_s"] > 0

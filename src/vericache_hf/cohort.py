@@ -382,10 +382,9 @@ class CohortPool:
 
     @torch.no_grad()  # as stock `generate` runs, where the members' caches were made
     def _run(self, slot: int) -> None:
-        # On CUDA each cohort computes on its own stream: one cohort's verify pass waiting for its copies holds
-        # back none of another's draft steps.
-        device = self.model.device
-        with torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext():
+        # each cohort on its own stream: one cohort's verify pass waiting for its copies holds back none of
+        # another's draft steps
+        with own_stream(self.model.device):
             while (cohort := self._next(slot)) is not None:
                 timeline = cohort.config.timeline
                 with timeline.track(f"cohort_{slot}") if timeline is not None else nullcontext():
@@ -470,6 +469,12 @@ class CohortPool:
         for member in members:
             _settle(member)  # the request's thread reads its tokens next, on its own stream
             member.finish(error)
+
+
+def own_stream(device: torch.device):
+    """A new CUDA stream for this thread's work inside the block (on a CUDA device; nothing elsewhere), so that a
+    thread waiting on its own events holds back no other thread's kernels."""
+    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext()
 
 
 def _settle(member: Member) -> None:

@@ -37,7 +37,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
 from .cache.transfer import TransferEngine
 from .checks import check_int
-from .cohort import CohortPool
+from .cohort import CohortPool, own_stream
 from .decoding import resolve_config
 
 __all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
@@ -316,9 +316,7 @@ class VeriCacheEngine:
     def _work(self) -> None:
         # On CUDA each worker runs its requests on its own stream: a verify pass that waits for its full tier's copy
         # (an event on the worker's stream) then holds back only its own request, not another's draft steps.
-        device = self.model.device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        with own_stream(self.model.device):
             while True:
                 request = self._pending.get()
                 if request is _STOP:
