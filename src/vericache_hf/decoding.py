@@ -67,6 +67,7 @@ def generate(
     vericache_assistant=None,
     vericache_transfers=None,
     vericache_cohorts=None,
+    vericache_prefixes=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:
     """Draft on a compressed KV cache, verify against the full one: greedy output equals stock `generate`'s, and
@@ -77,7 +78,8 @@ def generate(
     `vericache_assistant` is `assistant_model` under such a name (stock generate keeps `assistant_model` for itself).
     `vericache_transfers` is a `TransferEngine` shared with other calls (the serving engine's one queue), and
     `vericache_cohorts` a `CohortPool` whose cohorts decode this call's prompt, after its prefill, in passes shared
-    with other calls (the serving engine's cohorts)."""
+    with other calls (the serving engine's cohorts), and `vericache_prefixes` the `SharedPrefixes` whose K/V seed
+    this call's prefill and that keep its prompt's (the serving engine's prefix cache)."""
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
@@ -104,6 +106,7 @@ def generate(
         ),
         plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
         prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
+        shared=vericache_prefixes if config.prefix_store is None else None,
         timeline=config.timeline,
     )
     settings = _schedule_key(config, input_ids, proposer)

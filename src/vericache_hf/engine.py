@@ -10,7 +10,9 @@ another's full tier streams in through the engine's one transfer queue and it ve
 how many cohorts and how large is planned from measured copy and compute times (`cohorts=`, `cohort_size=`
 override it; `cohort_size=1` serves every request alone on its worker, each on its own CUDA stream). Requests with
 a proposer, a prefix store or `return_dict_in_generate`, and compressors whose draft tier cannot be split by row
-(kvpress presses), decode alone on their worker.
+(kvpress presses), decode alone on their worker. Prompts' whole chunks are kept in host memory after their
+prefill (`prefix_cache_memory`, LRU), and a later prompt that starts with some of them prefills only the rest
+(prefix caching, as transformers' continuous batching shares KV blocks).
 
 Requests join and leave at any time, a failing request fails alone with its error in its result, `cancel` ends a
 request at its next round and frees its rows, and `stop` ends every request and leaves no thread behind.
@@ -39,6 +41,7 @@ from .cache.transfer import TransferEngine
 from .checks import check_int
 from .cohort import CohortPool, own_stream
 from .decoding import resolve_config
+from .prefix.shared import SharedPrefixes
 
 __all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
 
@@ -102,7 +105,9 @@ class VeriCacheEngine:
     takes per-request ones on top. `max_concurrent` requests are served at once (each holds its full tier in host
     memory meanwhile; the rest wait in order); they share forward passes in `cohorts` cohorts of at most
     `cohort_size` (each "auto": planned from measured times; `cohort_size=1`: every request alone, each prefilling
-    on its own worker, so lower `max_concurrent` then). Use it as a context manager, or call `start()` and `stop()`.
+    on its own worker, so lower `max_concurrent` then). `prefix_cache_memory` (host bytes, or None for none) keeps
+    prompts' exact K/V for later requests that start the same way: their prefill computes only the rest (see
+    `prefix/shared.py`). Use it as a context manager, or call `start()` and `stop()`.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class VeriCacheEngine:
         device_memory_budget: int | str | None = None,
         cohorts: int | str = "auto",
         cohort_size: int | str = "auto",
+        prefix_cache_memory: int | str | None = "4GiB",
         **generate_kwargs: Any,
     ) -> None:
         check_int("max_concurrent", max_concurrent)
@@ -130,10 +136,14 @@ class VeriCacheEngine:
             timeline=config.timeline,
         )
         self.timeline = config.timeline  # each request's spans go on a track named after it
+        # prompts' exact K/V kept for the requests after (prefix caching): a shared prefix is not prefilled again
+        memory = parse_bytes(prefix_cache_memory) if prefix_cache_memory else 0
+        self._prefixes = SharedPrefixes(model, memory, config.prefix_chunk_tokens) if memory else None
         self.generate_kwargs = {
             "vericache_config": vericache_config,
             "vericache_transfers": self._transfers,
             "vericache_cohorts": self._cohorts,
+            "vericache_prefixes": self._prefixes,
             **generate_kwargs,
         }
         self.max_concurrent = max_concurrent
@@ -242,6 +252,11 @@ class VeriCacheEngine:
     def cohort_stats(self) -> dict[str, float]:
         """Rounds the cohorts ran and how many requests shared their passes (empty when each runs alone)."""
         return self._cohorts.stats() if self._cohorts is not None else {}
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefix caching: requests that started from a kept prefix and that did not, tokens reused, host bytes
+        held, chunks evicted (empty when `prefix_cache_memory` is off)."""
+        return self._prefixes.stats() if self._prefixes is not None else {}
 
     def memory_stats(self) -> dict[str, float]:
         """The device-memory budget, its peaks, and how many requests of the admitted ones' mean size it holds,
@@ -385,12 +400,20 @@ def generate_batch(
     device_memory_budget: int | str | None = None,
     cohorts: int | str = "auto",
     cohort_size: int | str = "auto",
+    prefix_cache_memory: int | str | None = "4GiB",
     **generate_kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Serve `inputs` to the end, as `model.generate_batch` does: outputs keyed `req_0`, `req_1`, ... in input
     order. Each request's greedy output equals stock `generate` of that prompt alone."""
     engine = VeriCacheEngine(
-        model, vericache_config, max_concurrent, device_memory_budget, cohorts, cohort_size, **generate_kwargs
+        model,
+        vericache_config,
+        max_concurrent,
+        device_memory_budget,
+        cohorts,
+        cohort_size,
+        prefix_cache_memory,
+        **generate_kwargs,
     )
     with engine:
         ids = engine.add_requests(inputs, max_new_tokens=max_new_tokens)

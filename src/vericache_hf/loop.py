@@ -28,6 +28,7 @@ from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule, ProposalLength
 from .prefix.reuse import PrefixReuse
+from .prefix.shared import SharedPrefixes
 from .proposers import Proposer
 from .timeline import Timeline
 from .verify import choose, greedy_accept, proposal_accept, speculative_accept
@@ -78,6 +79,9 @@ class DecodeIO:
     proposal_length: ProposalLength | None = None  # how many a draft-tier pass checks
     plain_proposal_length: ProposalLength | None = None  # how many a plain round verifies on the full tier
     prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
+    shared: SharedPrefixes | None = (
+        None  # a serving engine's prefixes: seed the prefill with one, keep this one
+    )
     timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
     started: float = 0.0  # perf_counter() when decoding started
     failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
@@ -155,9 +159,17 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     """Run the prompt once on the full tier (the compressor builds the draft tier as each layer's K/V arrive);
     emit the first token. Returns the (B,) pending tokens and their positions."""
     prompt_valid = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    shared = io.shared
+    if shared is not None and not shares_prefix(cache, input_ids, prompt_valid, position_ids):
+        shared = None
+    seeded = shared.seed(cache, input_ids, cache.compressor.queries_read) if shared is not None else 0
+    if seeded:  # the prompt's first `seeded` tokens' K/V are in the full tier: the pass computes the rest
+        cache.stats.prefix_tokens_reused += seeded
+        attention_mask = None
+        position_ids = torch.arange(seeded, input_ids.shape[-1], device=input_ids.device)[None]
     with cache.prefilling(model, prompt_valid):
         outputs = model(
-            input_ids=input_ids,
+            input_ids=input_ids[:, seeded:],
             attention_mask=attention_mask,
             position_ids=position_ids,
             **cache_kwargs(model, cache),
@@ -170,7 +182,23 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     for row in range(input_ids.shape[0]):
         emit(io, seqs, row, first[row], scores[row], raw[row])
     seqs.starts = prompt_valid.long().argmax(dim=-1).tolist()
+    if shared is not None:
+        shared.keep(cache, input_ids)
     return first, prompt_valid.long().sum(dim=-1)
+
+
+def shares_prefix(cache: VeriCache, input_ids, prompt_valid, position_ids) -> bool:
+    """Whether a prefill may start from a shared prefix, and keep its prompt's: one unpadded prompt at positions
+    0, 1, ..., and a compressor that reads at most a suffix's queries (see `Compressor.queries_read`)."""
+    return (
+        input_ids.shape[0] == 1
+        and bool(prompt_valid.all())
+        and (
+            position_ids is None
+            or bool((position_ids == torch.arange(input_ids.shape[-1]).to(position_ids)).all())
+        )
+        and cache.compressor.queries_read is not None
+    )
 
 
 def prefill_prefix(model, cache: VeriCache, prefix: torch.Tensor) -> None:

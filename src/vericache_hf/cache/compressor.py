@@ -41,6 +41,13 @@ class Compressor(ABC):
         """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""
 
     @property
+    def queries_read(self) -> int | None:
+        """How many of the prompt's last tokens' layer inputs `compress` reads: 0 for a K/V-only compressor, None
+        for all of them. A prompt whose leading K/V come from a shared prefix is prefilled from there on, so only
+        a compressor that reads no more than that suffix's queries can build its draft tier then."""
+        return None if self.needs_hidden_states else 0
+
+    @property
     def restorable(self) -> bool:
         """Whether `restore` can rebuild this compressor's draft tier (what a prefix store needs)."""
         return type(self).restore is not Compressor.restore

@@ -93,10 +93,19 @@ class VeriCacheLayer(CacheLayerMixin):
         )
 
     def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.full.length:
-            raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
         owner = self.owner
+        seeded = owner.seeded_tokens  # a shared prefix's exact K/V, already in the full tier (`seed_prefix`)
+        if self.full.length != seeded:
+            raise RuntimeError("VeriCache supports a single prefill; create a new cache for a new prompt.")
+        if seeded and not self.reads_in_place:  # attention and the compressor read the prefix on the device
+            past = owner.layer_full_tier(self.layer_idx)
         owner.stats.bytes_to_host += self.full.append(keys, values)
+        if seeded:
+            keys, values = (
+                self.full.view()
+                if self.reads_in_place
+                else (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
+            )
         if owner.defers_compression(self):
             return keys, values  # `build_draft_tier` compresses these very K/V when drafting first needs them
         context = owner.captured(self.layer_idx) or CompressionContext(self.layer_idx, owner.prompt_valid)
@@ -196,6 +205,7 @@ class VeriCache(Cache):
         # no masked slot in the tier (no padding, nothing a row rejected): passes need no explicit mask
         self._full_dense = self._draft_dense = False
         self.full_tier_loading = False  # a stored prefix is being appended to the full tier by a loader
+        self.seeded_tokens = 0  # leading prompt tokens whose K/V `seed_prefix` put in the full tier
         self._layer_ready: list[threading.Event] = []
         self._layer_loaded: list[bool] = []
         self._load_timeout = 60.0
@@ -230,6 +240,18 @@ class VeriCache(Cache):
                 yield
             finally:
                 self._capture = None
+
+    def seed_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start the full tier with a shared prefix's exact (1, H, P, D) K/V per layer, copied in; the prefill that
+        follows passes the rest of the prompt only, at positions P onwards, and its `prompt_valid` covers the whole
+        prompt. The compressor must read no more queries than that rest holds (`Compressor.queries_read`)."""
+        if self.full_valid is not None or self.seeded_tokens:
+            raise RuntimeError("seed_prefix comes before the prefill; create a new cache for a new prompt.")
+        if len(layers) != len(self.layers):
+            raise ValueError(f"got a prefix of {len(layers)} layers for {len(self.layers)} layers")
+        for layer, (keys, values) in zip(self.layers, layers, strict=True):
+            layer.full.append(keys, values)
+        self.seeded_tokens = layers[0][0].shape[-2]
 
     def adopt_prefix(
         self, drafts: list[DraftStore], length: int, like: torch.Tensor, timeout: float = 60.0

@@ -49,6 +49,10 @@ class ComposedCompressor(Compressor):
     def needs_hidden_states(self) -> bool:  # type: ignore[override]
         return self.stages[0].needs_hidden_states
 
+    @property
+    def queries_read(self) -> int | None:  # type: ignore[override]
+        return self.stages[0].queries_read
+
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         for stage in self.stages[:-1]:
             keys, values, valid = stage.select(keys, values, context)

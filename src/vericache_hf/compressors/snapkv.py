@@ -53,6 +53,10 @@ class SnapKVCompressor(ScorerCompressor):
         if self.kernel_size % 2 == 0:
             raise ValueError(f"SnapKVCompressor.kernel_size must be odd, got {self.kernel_size}.")
 
+    @property
+    def queries_read(self) -> int:
+        return self.window_size
+
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         batch, kv_heads, length, _ = keys.shape
         window = min(self.window_size, length)
