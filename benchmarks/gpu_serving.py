@@ -89,6 +89,7 @@ def engine(model, prompts: torch.Tensor, budget: int, new_tokens: int, args) -> 
         config,
         max_concurrent=len(prompts),
         device_memory_budget=budget,
+        prefix_cache_memory=None,  # random prompts share nothing; keeping them would only cost host memory
         max_new_tokens=new_tokens,
         do_sample=False,
     ) as served:

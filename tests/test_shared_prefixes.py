@@ -11,6 +11,7 @@ from vericache_hf import VeriCacheConfig, VeriCacheEngine
 from vericache_hf.prefix.shared import SharedPrefixes
 
 from .conftest import random_prompt, tiny_model
+from .test_engine import stock
 
 CHUNK = 16
 
@@ -20,8 +21,18 @@ def served():
     return tiny_model("llama", num_hidden_layers=3)
 
 
-def stock(model, prompt: list[int], new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+def vericache(
+    model, prompt: list[int], config: VeriCacheConfig, prefixes: SharedPrefixes, new: int
+) -> list[int]:
+    """One `generate` call that seeds its prefill from `prefixes` and keeps its prompt there."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        generation_mode="vericache",
+        vericache_config=config,
+        vericache_prefixes=prefixes,
+        max_new_tokens=new,
+        do_sample=False,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -88,15 +99,7 @@ def test_a_seeded_prefix_read_through_staging_buffers_stays_exact(served):
     prefixes = SharedPrefixes(served, 1 << 30, CHUNK)
     inputs = document_prompts()
     for prompt in inputs[:3]:
-        out = served.generate(
-            torch.tensor([prompt]),
-            generation_mode="vericache",
-            vericache_config=config,
-            vericache_prefixes=prefixes,
-            max_new_tokens=16,
-            do_sample=False,
-        )
-        assert out[0, len(prompt) :].tolist() == stock(served, prompt, 16)
+        assert vericache(served, prompt, config, prefixes, 16) == stock(served, prompt, 16)
     assert prefixes.stats()["prefix_hits"] == 2
 
 
@@ -106,14 +109,7 @@ def test_kept_chunks_stay_within_their_memory_and_shorten_from_the_end(served):
     document = random_prompt(90, seed=7)[0].tolist()  # five whole chunks: one more than fits
     config = VeriCacheConfig(compressor="streaming_llm", prefix_chunk_tokens=CHUNK)
     for prompt in (document, document + [5, 6, 7]):
-        served.generate(
-            torch.tensor([prompt]),
-            generation_mode="vericache",
-            vericache_config=config,
-            vericache_prefixes=prefixes,
-            max_new_tokens=2,
-            do_sample=False,
-        )
+        vericache(served, prompt, config, prefixes, 2)
     stats = prefixes.stats()
     assert stats["prefix_bytes_held"] <= 4 * chunk_bytes and stats["prefix_chunks_held"] == 4
     assert stats["prefix_evictions"] >= 1

@@ -79,9 +79,7 @@ class DecodeIO:
     proposal_length: ProposalLength | None = None  # how many a draft-tier pass checks
     plain_proposal_length: ProposalLength | None = None  # how many a plain round verifies on the full tier
     prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
-    shared: SharedPrefixes | None = (
-        None  # a serving engine's prefixes: seed the prefill with one, keep this one
-    )
+    shared: SharedPrefixes | None = None  # an engine's kept prefixes: seed the prefill, keep this prompt's
     timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
     started: float = 0.0  # perf_counter() when decoding started
     failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
