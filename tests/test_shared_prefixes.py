@@ -4,6 +4,8 @@ kept chunks stay within their memory, shortest-first from a prefix's end."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -123,3 +125,26 @@ def test_prefix_cache_memory_is_checked_and_can_be_off(served):
     engine = VeriCacheEngine(served, prefix_cache_memory=None)
     assert engine.prefix_stats() == {}
     engine.stop()
+
+
+def test_requests_prefilling_side_by_side_share_prefixes_safely(served):
+    """Each request alone on its own worker (`cohort_size=1`): prefills that seed from and keep chunks run at once,
+    added from several threads; every output stays exact."""
+    config = VeriCacheConfig(compressor="streaming_llm", compression_ratio=0.5, prefix_chunk_tokens=CHUNK)
+    inputs = document_prompts() * 2
+    with VeriCacheEngine(served, config, max_concurrent=4, cohort_size=1, do_sample=False) as engine:
+        ids: dict[int, str] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: ids.__setitem__(i, engine.add_request(inputs[i], max_new_tokens=12))
+            )
+            for i in range(len(inputs))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        outputs = [engine.get_result(ids[i], timeout=120) for i in range(len(inputs))]
+        stats = engine.prefix_stats()
+    assert [o.generated_tokens for o in outputs] == [stock(served, p, 12) for p in inputs]
+    assert stats["prefix_hits"] + stats["prefix_misses"] == len(inputs) and stats["prefix_hits"] >= 1
