@@ -267,7 +267,7 @@ def test_short_prompts_and_batches_decode_without_the_store(llama, tmp_path):
         assert stats.prefix_tokens_reused == reused
 
 
-def test_engine_requests_reuse_a_shared_prefix(llama, tmp_path):
+def test_engine_requests_reuse_a_shared_prefix_and_join_cohorts(llama, tmp_path):
     store = DiskStore(tmp_path)
     stats = VeriCacheStats()
     config = VeriCacheConfig(
@@ -275,13 +275,14 @@ def test_engine_requests_reuse_a_shared_prefix(llama, tmp_path):
     )
     vericache(llama, request(0), store)
     prompts = [request(q)[0].tolist() for q in (1, 2, 3)]
-    results = vericache_hf.generate_batch(
-        llama, prompts, max_new_tokens=NEW, do_sample=False, vericache_config=config
-    )
-    for question, prompt in zip((1, 2, 3), prompts, strict=True):
+    with vericache_hf.VeriCacheEngine(llama, config, max_new_tokens=NEW, do_sample=False) as engine:
+        results = [engine.get_result(request_id) for request_id in engine.add_requests(prompts)]
+        cohorts = engine.cohort_stats()
+    for question, prompt, result in zip((1, 2, 3), prompts, results, strict=True):
         expected = stock(llama, request(question))[0, len(prompt) :].tolist()
-        assert results[f"req_{question - 1}"].generated_tokens == expected
+        assert result.generated_tokens == expected
     assert stats.prefix_tokens_reused == 3 * 3 * CHUNK
+    assert cohorts["rounds"] > 0  # after its suffix's round, each request decoded in a cohort
 
 
 def test_bad_prefix_settings_say_what_to_do(llama, tmp_path):

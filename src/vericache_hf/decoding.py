@@ -22,7 +22,7 @@ from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, ProposalLength, draft_length_schedule
-from .loop import DecodeIO, Sequences, begin, decode, prefill_prefix
+from .loop import DecodeIO, Sequences, begin, decode, prefill_prefix, run_round
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
 from .proposers import build_proposer
@@ -122,6 +122,8 @@ def generate(
                 model_kwargs.get("position_ids"),
                 io,
             )
+            if cohorts is not None and state.pending.dim() == 2:  # a stored prefix: the suffix's round
+                run_round(model, cache, state, io, schedule)  # (its first token, and the full prefix in)
         if cohorts is not None and any(state.seqs.unfinished) and can_share_rows(cache):
             member = Member(cache, state, io, config, (io.do_sample, repr(config)))
             cache = None  # the cohort owns it now: it joins the cohort's, or becomes it
@@ -142,14 +144,10 @@ def generate(
 
 
 def _joins_cohorts(input_ids: torch.Tensor, io: DecodeIO, generation_config: GenerationConfig) -> bool:
-    """Whether a call handed a cohort pool decodes in a cohort: one prompt, no proposer, no prefix store, and only
-    tokens to return (rows in a cohort share their passes, and the rest is per call)."""
-    return (
-        input_ids.shape[0] == 1
-        and io.proposer is None
-        and io.prefix is None
-        and not generation_config.return_dict_in_generate
-    )
+    """Whether a call handed a cohort pool decodes in a cohort: one prompt, no proposer, and only tokens to return
+    (rows in a cohort share their passes, and the rest is per call). A prompt whose prefix came from a store joins
+    after its suffix's round, which prefills the suffix and waits for the full prefix."""
+    return input_ids.shape[0] == 1 and io.proposer is None and not generation_config.return_dict_in_generate
 
 
 def _schedule_key(config: VeriCacheConfig, input_ids: torch.Tensor, proposer) -> tuple:

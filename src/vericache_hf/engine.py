@@ -9,8 +9,8 @@ criteria and streamer, and leave when they stop. Several cohorts take turns on t
 another's full tier streams in through the engine's one transfer queue and it verifies (the paper's staggering);
 how many cohorts and how large is planned from measured copy and compute times (`cohorts=`, `cohort_size=`
 override it; `cohort_size=1` serves every request alone on its worker, each on its own CUDA stream). Requests with
-a proposer, a prefix store or `return_dict_in_generate`, and compressors whose draft tier cannot be split by row
-(kvpress presses), decode alone on their worker. Prompts' whole chunks are kept in host memory after their
+a proposer or `return_dict_in_generate`, and compressors whose draft tier cannot be split by row (kvpress presses),
+decode alone on their worker; a request with a prefix store joins a cohort after its suffix's round. Prompts' whole chunks are kept in host memory after their
 prefill (`prefix_cache_memory`, LRU), and a later prompt that starts with some of them prefills only the rest
 (prefix caching, as transformers' continuous batching shares KV blocks).
 
