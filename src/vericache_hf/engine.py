@@ -10,9 +10,10 @@ another's full tier streams in through the engine's one transfer queue and it ve
 how many cohorts and how large is planned from measured copy and compute times (`cohorts=`, `cohort_size=`
 override it; `cohort_size=1` serves every request alone on its worker, each on its own CUDA stream). Requests with
 a proposer or `return_dict_in_generate`, and compressors whose draft tier cannot be split by row (kvpress presses),
-decode alone on their worker; a request with a prefix store joins a cohort after its suffix's round. Prompts' whole chunks are kept in host memory after their
-prefill (`prefix_cache_memory`, LRU), and a later prompt that starts with some of them prefills only the rest
-(prefix caching, as transformers' continuous batching shares KV blocks).
+decode alone on their worker; a request with a prefix store joins a cohort after its suffix's round. Prompts'
+whole chunks are kept in host memory after their prefill (`prefix_cache_memory`, LRU), and a later prompt that
+starts with some of them prefills only the rest (prefix caching, as transformers' continuous batching shares KV
+blocks).
 
 Requests join and leave at any time, a failing request fails alone with its error in its result, `cancel` ends a
 request at its next round and frees its rows, and `stop` ends every request and leaves no thread behind.
