@@ -138,8 +138,11 @@ class VeriCacheEngine:
         )
         self.timeline = config.timeline  # each request's spans go on a track named after it
         # prompts' exact K/V kept for the requests after (prefix caching): a shared prefix is not prefilled again
-        memory = parse_bytes(prefix_cache_memory) if prefix_cache_memory else 0
-        self._prefixes = SharedPrefixes(model, memory, config.prefix_chunk_tokens) if memory else None
+        self._prefixes = (
+            SharedPrefixes(model, parse_bytes(prefix_cache_memory), config.prefix_chunk_tokens)
+            if prefix_cache_memory
+            else None
+        )
         self.generate_kwargs = {
             "vericache_config": vericache_config,
             "vericache_transfers": self._transfers,

@@ -241,17 +241,21 @@ class VeriCache(Cache):
             finally:
                 self._capture = None
 
-    def seed_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start the full tier with a shared prefix's exact (1, H, P, D) K/V per layer, copied in; the prefill that
-        follows passes the rest of the prompt only, at positions P onwards, and its `prompt_valid` covers the whole
-        prompt. The compressor must read no more queries than that rest holds (`Compressor.queries_read`)."""
+    def seed_prefix(self, layers: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Start the full tier with a shared prefix's exact K/V: per layer, its (1, H, n, D) pieces in order, copied
+        in once; the prefill that follows passes the rest of the prompt only, at positions P onwards, and its
+        `prompt_valid` covers the whole prompt. The compressor must read no more queries than that rest holds
+        (`Compressor.queries_read`)."""
         if self.full_valid is not None or self.seeded_tokens:
             raise RuntimeError("seed_prefix comes before the prefill; create a new cache for a new prompt.")
         if len(layers) != len(self.layers):
             raise ValueError(f"got a prefix of {len(layers)} layers for {len(self.layers)} layers")
-        for layer, (keys, values) in zip(self.layers, layers, strict=True):
-            layer.full.append(keys, values)
-        self.seeded_tokens = layers[0][0].shape[-2]
+        length = sum(keys.shape[-2] for keys, _ in layers[0])
+        for layer, pieces in zip(self.layers, layers, strict=True):
+            layer.full.reserve(length, *pieces[0])
+            for keys, values in pieces:
+                layer.full.append(keys, values)
+        self.seeded_tokens = length
 
     def adopt_prefix(
         self, drafts: list[DraftStore], length: int, like: torch.Tensor, timeout: float = 60.0

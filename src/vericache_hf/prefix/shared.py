@@ -73,15 +73,7 @@ class SharedPrefixes:
             self.tokens_reused += len(chunks) * self.chunk_tokens
         if not chunks:
             return 0
-        cache.seed_prefix(
-            [
-                (
-                    torch.cat([c.layers[i][0] for c in chunks], 2),
-                    torch.cat([c.layers[i][1] for c in chunks], 2),
-                )
-                for i in range(len(cache.layers))
-            ]
-        )
+        cache.seed_prefix([[chunk.layers[i] for chunk in chunks] for i in range(len(cache.layers))])
         return len(chunks) * self.chunk_tokens
 
     def keep(self, cache: VeriCache, prompt: torch.Tensor) -> None:
