@@ -160,6 +160,10 @@ def row(method, backend, prefix, gbit, ttft, total, same, args, stats: VeriCache
             "first_draft_s": round(stats.first_draft_seconds, 3),
             "first_round_drafts": stats.draft_lengths[0] if stats.draft_lengths else 0,
             "first_round_accepted": stats.accepted_per_round[0] if stats.accepted_per_round else 0,
+            # after the first round: what the draft tier earns over the rest of the answer
+            "later_rounds": len(stats.accepted_per_round[1:]) + stats.plain_rounds,
+            "later_accepted_per_round": round(mean(stats.accepted_per_round[1:] or [0.0]), 2),
+            "compress_s": round(stats.compress_seconds, 3),
         }
     return out
 

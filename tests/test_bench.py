@@ -162,6 +162,12 @@ def test_build_methods_puts_the_reference_first():
         build_methods(["snapkv"], [0.75], peers=["medusa"])
 
 
+def test_build_methods_refuses_a_ratio_a_compressor_cannot_meet_before_any_run():
+    with pytest.raises(ValueError, match=r"(?s)bnb@0.875: .*2-bit.*fp8@0.75.*--ratios they support") as error:
+        build_methods(["snapkv", "bnb", "fp8"], [0.75, 0.875], peers=False)
+    assert "snapkv" not in str(error.value) and "bnb@0.75" not in str(error.value)
+
+
 def test_composed_method_runs_beside_vericache_alone_and_stays_lossless(llama):
     methods = build_methods(["streaming_llm"], [0.5], peers=False, proposers=["none", "prompt_lookup"])
     composed = [m for m in methods if m.proposer]

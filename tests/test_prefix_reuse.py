@@ -10,10 +10,14 @@ import warnings
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
-from vericache_hf.compressors import build_compressor
+from vericache_hf.compressors import SnapKVCompressor, build_compressor
+from vericache_hf.decoding import _build_cache, _prefix_reuse
+from vericache_hf.draft_length import draft_length_schedule
+from vericache_hf.loop import DecodeIO, begin, run_round
 from vericache_hf.prefix import DiskStore, PrefixStore, RedisStore, ThrottledStore, flush
 from vericache_hf.prefix.reuse import PrefixReuse
 from vericache_tools.redis_server import free_port
@@ -57,7 +61,11 @@ def vericache(model, ids, store, compressor="snapkv", **kwargs) -> tuple[torch.T
     return out, stats
 
 
-@pytest.mark.parametrize("compressor", ["snapkv", "streaming_llm", "kivi", ["knorm", "kivi"]])
+#: SnapKV whose window (4 queries) fits in the suffixes here: the first verify pass scores its draft tier again
+SNAPKV_4 = SnapKVCompressor(compression_ratio=0.75, window_size=4)
+
+
+@pytest.mark.parametrize("compressor", ["snapkv", SNAPKV_4, "streaming_llm", "kivi", ["knorm", "kivi"]])
 def test_saved_and_reused_prefix_match_stock(model, make_store, compressor):
     store = make_store()
     for question in range(3):
@@ -73,6 +81,48 @@ def test_saved_and_reused_prefix_match_stock(model, make_store, compressor):
     # a quarter of the tokens, or 4-bit codes for all but the last 32 (KIVI's full-precision residual)
     assert stats.prefix_compressed_bytes < (0.4 if compressor in ("snapkv", "streaming_llm") else 0.6) * (
         stats.prefix_full_bytes
+    )
+
+
+@pytest.mark.parametrize("stage_on_cpu", [False, True])
+def test_suffix_queries_score_the_draft_tier_as_a_whole_prefill_would(llama, tmp_path, stage_on_cpu):
+    """A stored prefix's draft tier was scored by the prefix's own last queries; after the first verify pass, which
+    computes the suffix's, each layer's draft tier holds what SnapKV keeps of the whole prompt (as a prefill of it
+    builds), then the tokens committed since. On a miss (the prefix prefilled alone) and on a hit."""
+    store = DiskStore(tmp_path)
+    config = VeriCacheConfig(
+        compressor=SNAPKV_4, prefix_store=store, prefix_chunk_tokens=CHUNK, stage_on_cpu=stage_on_cpu
+    )
+    ids = request(1)
+    whole = _build_cache(llama, config, VeriCacheStats())[1]
+    begin(llama, whole, ids, None, None, io_for())  # a prefill of the whole prompt
+    for hit in (False, True):
+        stats = VeriCacheStats()
+        compressor, cache = _build_cache(llama, config, stats)
+        io = io_for(_prefix_reuse(llama, config, compressor, stats))
+        state = begin(llama, cache, ids, None, None, io)
+        schedule = draft_length_schedule(config)
+        run_round(llama, cache, state, io, schedule)  # the suffix's round
+        run_round(llama, cache, state, io, schedule)  # and one more
+        flush(store)
+        assert stats.prefix_tokens_reused == (3 * CHUNK if hit else 0)
+        committed = cache.full_valid.shape[-1]
+        assert committed > ids.shape[-1]  # the rounds committed tokens after the prompt
+        for mine, theirs in zip(cache.layers, whole.layers, strict=True):
+            kept = theirs.draft.num_committed
+            assert mine.draft.num_committed == kept + committed - ids.shape[-1]
+            for got, want in zip(mine.draft.export().values(), theirs.draft.export().values(), strict=True):
+                assert torch.allclose(
+                    got[..., :kept, :] if got.dim() == 4 else got[:, :kept], want, atol=1e-9
+                )
+            # the tokens after the prompt, whole and exact
+            keys = mine.full.view()[0]
+            assert torch.equal(mine.draft.export()["keys"][:, :, kept:], keys[:, :, ids.shape[-1] :])
+
+
+def io_for(prefix: PrefixReuse | None = None) -> DecodeIO:
+    return DecodeIO(
+        LogitsProcessorList(), StoppingCriteriaList(), max_length=SHARED + 16, pad_token_id=0, prefix=prefix
     )
 
 
@@ -295,15 +345,17 @@ def test_bad_prefix_settings_say_what_to_do(llama, tmp_path):
         vericache_hf.warm_prefix(llama, request(0), VeriCacheConfig())
 
 
-def test_staged_full_tier_waits_for_the_whole_prefix(llama, tmp_path):
+@pytest.mark.parametrize("compressor", ["snapkv", SNAPKV_4])
+def test_staged_full_tier_waits_for_the_whole_prefix(llama, tmp_path, compressor):
     """Where the full tier reaches the model through staging buffers (an accelerator; here `stage_on_cpu`), the
-    first verify pass waits for the whole prefix, then streams it as usual."""
+    first verify pass waits for the whole prefix, then streams it as usual (and, for `SNAPKV_4`, the full tier
+    streams in once more to score the draft tier again)."""
     store = DiskStore(tmp_path)
-    vericache(llama, request(0), store, stage_on_cpu=True)
+    vericache(llama, request(0), store, compressor, stage_on_cpu=True)
     slow = ThrottledStore(store, bandwidth_bytes_per_s=2e6, latency_s=0.002)
     for question in (1, 2):
         ids = request(question)
-        out, stats = vericache(llama, ids, slow, stage_on_cpu=True)
+        out, stats = vericache(llama, ids, slow, compressor, stage_on_cpu=True)
         assert torch.equal(out, stock(llama, ids))
         assert stats.prefix_tokens_reused == 3 * CHUNK
         assert stats.bytes_to_device > 0  # the staged path ran

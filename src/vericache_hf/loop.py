@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from .cache.capture import LayerInputCapture
+from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule, ProposalLength
@@ -387,6 +389,18 @@ def verify_after_prefix(
     return result
 
 
+def verify_suffix(model, cache: VeriCache, reuse, prefix, pending, positions, drafts, io, seqs, turn: Round):
+    """`verify_after_prefix`, keeping each layer's input when the draft tier should be scored again with the
+    prompt's own last queries, which the suffix holds (`refresh.rescores`): the draft tier came from the prefix
+    alone, scored by the prefix's last queries, not by the prompt's."""
+    if not rescores(cache.compressor, pending.shape[-1]):
+        return verify_after_prefix(model, cache, reuse, prefix, pending, positions, drafts, io, seqs)
+    with LayerInputCapture(model, cache, cache.full_valid) as capture:
+        result = verify_after_prefix(model, cache, reuse, prefix, pending, positions, drafts, io, seqs)
+        turn.captured = dict(capture.contexts)
+    return result
+
+
 def accept(io: DecodeIO, drafts, draft_probs, scores) -> tuple[list[int], torch.Tensor]:
     """Per-row accepted draft counts and the (B, k+1) tokens to emit, by the greedy or the sampling rule."""
     if io.do_sample:
@@ -407,6 +421,7 @@ class Round:
     suffix: bool = False  # the first round after a stored prefix: its pending block is the prompt's suffix
     loading: bool = False  # the full prefix is still loading: draft on while it does
     offered: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain round's proposals and their counts
+    captured: dict | None = None  # a suffix's layer inputs, to score the draft tier with (`verify_suffix`)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     commit_seconds: float = 0.0
@@ -470,8 +485,8 @@ def verify_round(
     scores, per-row accepted counts and the (B, k+1) tokens to emit."""
     started = time.perf_counter()
     if turn.suffix:
-        raw, scores = verify_after_prefix(
-            model, cache, io.prefix, prefix, pending, positions, drafts, io, seqs
+        raw, scores = verify_suffix(
+            model, cache, io.prefix, prefix, pending, positions, drafts, io, seqs, turn
         )
     else:
         with cache.verifying():
@@ -584,6 +599,8 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
         )
     if not any(seqs.unfinished):
         return
+    if turn.captured is not None and cache.draft_tier_held:  # what a prefill of the whole prompt builds
+        rescore_draft_tier(cache, turn.captured, int(positions[0]) + pending.shape[-1], pending.shape[-1])
     if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
         cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
     if cache.refresh_policy is not None and cache.draft_tier_held:

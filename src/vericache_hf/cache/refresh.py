@@ -8,14 +8,16 @@ through the transfer engine, one layer on the device at a time) plus one compres
 
 Only compressors that work from K/V alone can refresh (`needs_hidden_states` False: StreamingLLM, KNorm, the
 quantizers, compositions of these); query-aware methods (SnapKV, H2O, kvpress presses) need the prompt's hidden
-states, which are gone after prefill.
+states, which are gone after prefill. One case gets them later: a prompt whose prefix came from a prefix store,
+whose draft tier was scored by the prefix's own last queries. Its first verify pass computes the suffix's layer
+inputs exactly, and `rescore_draft_tier` builds the draft tier a prefill of the whole prompt would have.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..checks import check_int
 from .compressor import CompressionContext, Compressor
@@ -45,6 +47,52 @@ def refresh_draft_tier(cache) -> None:
         started = time.perf_counter()
         layer.draft = cache.compressor.compress(keys.to(layer.dtype), values.to(layer.dtype), context)
         cache.stats.compress_seconds += time.perf_counter() - started
+
+
+def rescores(compressor: Compressor, suffix_length: int) -> bool:
+    """Whether `rescore_draft_tier` applies: a compressor that scores with a bounded window of the prompt's last
+    queries, all of them in a suffix of `suffix_length` tokens."""
+    window = compressor.queries_read
+    return compressor.needs_hidden_states and window is not None and 0 < window <= suffix_length
+
+
+def rescore_draft_tier(
+    cache, contexts: dict[int, CompressionContext], prompt_length: int, suffix_length: int
+) -> None:
+    """Rebuild every layer's draft tier from its full tier, scored with the prompt's last queries: `contexts` are
+    the layer inputs of a pass whose first `suffix_length` positions ended the prompt at `prompt_length` (captured
+    after a stored prefix, see `rescores`). The prompt's tokens are compressed as a prefill of the whole prompt
+    would have; the tokens committed after it are appended whole, as commits append them.
+
+    Call between rounds, as `refresh_draft_tier`."""
+    for layer in cache.layers:
+        keys, values = cache.layer_full_tier(layer.layer_idx)
+        started = time.perf_counter()
+        layer.draft = cache.compressor.compress(
+            keys[:, :, :prompt_length].to(layer.dtype),
+            values[:, :, :prompt_length].to(layer.dtype),
+            _first_positions(contexts[layer.layer_idx], suffix_length, cache.full_valid[:, :prompt_length]),
+        )
+        if keys.shape[-2] > prompt_length:
+            layer.draft.commit(
+                keys[:, :, prompt_length:].to(layer.dtype),
+                values[:, :, prompt_length:].to(layer.dtype),
+                cache.full_valid[:, prompt_length:].to(layer.device),
+            )
+        cache.stats.compress_seconds += time.perf_counter() - started
+
+
+def _first_positions(context: CompressionContext, width: int, valid) -> CompressionContext:
+    """`context` cut to its pass's first `width` positions (the prompt's last tokens), over the prompt's `valid`."""
+    kwargs = dict(context.attention_kwargs)
+    cos, sin = kwargs["position_embeddings"]
+    kwargs["position_embeddings"] = (cos[:, :width], sin[:, :width])
+    return replace(
+        context,
+        valid=valid.to(context.hidden_states.device),
+        hidden_states=context.hidden_states[:, :width],
+        attention_kwargs=kwargs,
+    )
 
 
 @dataclass

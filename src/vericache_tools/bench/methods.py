@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.compressors import build_compressor
 
 from .workloads import PromptBatch
 
@@ -115,6 +116,23 @@ PEERS = ("prompt_lookup", "early_exit")
 PROPOSERS = ("prompt_lookup",)
 
 
+def check_pairs(compressors: list[str], ratios: list[float]) -> None:
+    """Build every compressor at every ratio before any model work, so that a pair a compressor cannot meet
+    (bnb at 0.875 would need 2-bit storage) fails at once with the reasons, not after an hour of the grid."""
+    failures = []
+    for compressor in compressors:
+        for ratio in ratios:
+            try:
+                build_compressor(compressor, ratio)
+            except (ValueError, TypeError) as error:
+                failures.append(f"  {compressor}@{ratio}: {error}")
+    if failures:
+        raise ValueError(
+            "The bench cannot run these compressor and ratio pairs:\n" + "\n".join(failures) + "\nRun those "
+            "compressors in a bench of their own with --ratios they support."
+        )
+
+
 def build_methods(
     compressors: list[str],
     ratios: list[float],
@@ -138,6 +156,7 @@ def build_methods(
     unknown = [name for name in proposers or [] if name != "none" and name not in PROPOSERS]
     if unknown:
         raise ValueError(f"Unknown proposer(s) {unknown}; choose from {('none', *PROPOSERS)}.")
+    check_pairs(compressors, ratios)
     methods = [Method("full")]
     for compressor in compressors:
         for ratio in ratios:
