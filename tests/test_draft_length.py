@@ -61,7 +61,9 @@ def test_config_names_the_schedule():
 def test_cost_aware_drafts_long_when_drafts_are_cheap_and_accepted():
     # a GPU at long context: a draft step is a tenth of a verify pass, which streams the full tier
     lengths = drive(CostAwareDraftLength(VeriCacheConfig()), 30, 10_000, draft_step=0.01, verify_base=0.1)
-    assert min(lengths[10:]) >= 32
+    drafted = [k for k in lengths[10:] if k]
+    # every round drafts at least 32 but one plain round, which measures the plain price anew
+    assert min(drafted) >= 32 and len(drafted) >= len(lengths[10:]) - 1
     assert lengths[-1] == 64  # max_draft_length
 
 
@@ -75,6 +77,35 @@ def test_cost_aware_steps_plainly_when_drafts_miss_and_cost_as_much_as_a_step():
     gaps = [b - a for a, b in pairwise(probes)]
     assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes come, ever more rarely
     assert all(lengths[i] == CostAwareDraftLength.PROBE_LENGTH for i in probes)
+
+
+def test_a_stale_plain_price_is_measured_again_while_drafting_leads():
+    """The first plain round cost twice a stock step (a call's first round), so drafting, a little dearer than a
+    stock step, looked ahead: a plain round after 16 drafted rounds finds the true price, and plain rounds take
+    over. Where drafting pays by far, such plain rounds come ever more rarely."""
+
+    def run(schedule, rounds, draft_step, first_plain, plain, accept_run=3):
+        lengths = []
+        for i in range(rounds):
+            k = schedule.current
+            lengths.append(k)
+            verify = (first_plain if i == 0 else plain) if not k else 0.02 + 0.002 * (k + 1)
+            schedule.observe(k, [min(k, accept_run)] * 2, k * draft_step, verify)
+        return lengths
+
+    # a draft step costs a plain round (0.025 s): 3 drafts, all accepted, take 0.103 s for 4 tokens (39 a second),
+    # against 20 a second at the first plain round's price and 40 at the true one
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    lengths = run(schedule, 100, draft_step=0.025, first_plain=0.05, plain=0.025)
+    first_plain = next(i for i, k in enumerate(lengths) if i > 1 and not k)
+    assert 10 < first_plain <= 20  # about 16 drafted rounds, then the plain probe
+    assert sum(k == 0 for k in lengths[first_plain:]) > 0.9 * len(lengths[first_plain:])
+    # drafts run through and cost a tenth of a plain round: plain probes at 16, 32, 64, ... drafted rounds
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    lengths = run(schedule, 300, draft_step=0.001, first_plain=0.05, plain=0.025, accept_run=10_000)
+    plain = [i for i, k in enumerate(lengths) if i > 0 and not k]
+    assert 2 <= len(plain) <= 4 and all(b - a > 20 for a, b in pairwise(plain))
+    assert schedule.plain_probe_after > CostAwareDraftLength.FIRST_PLAIN_PROBE_AFTER
 
 
 def probes(

@@ -80,7 +80,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
     then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
     acceptance, at growing intervals while probes keep failing, and only where it can pay (`probe_pays`). On an
     accelerator the verify pass also pays for streaming the full tier, which the fit sees, so long drafts win there,
-    as they should.
+    as they should. While drafting leads, a plain round now and then (after 16 drafted rounds, then ever more
+    rarely while drafting keeps leading) measures the plain price anew: only plain rounds measure it, and a price
+    from a call's slow first round, or from another call's prior, would otherwise never be corrected.
 
     With nothing measured yet, the first round is plain (it costs what a stock step costs, and prices k = 0) and
     the second drafts `draft_length` (it prices drafting); the third is chosen from both. Given a `prior` (what
@@ -93,6 +95,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
     LAST_PROBE_AFTER = 1024
     PROBE_LENGTH = 4
     FREE_AFTER = 64  # a probe interval this long (two probes failed): plain rounds free the draft tier
+    # drafted rounds before a plain round re-measures the plain price; doubles each time drafting still leads
+    FIRST_PLAIN_PROBE_AFTER = 16
+    LAST_PLAIN_PROBE_AFTER = 1024
     #: what a call measured, carried to the next call on the same model and settings (the probe interval too:
     #: probes that kept failing in earlier calls are not repeated at the start of every call)
     ESTIMATES = (
@@ -105,6 +110,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
         "probe_after",
         "calibration",
         "build",
+        "plain_probe_after",
+        "drafted_rounds",
     )
 
     def __init__(self, config: VeriCacheConfig, prior: dict[str, Any] | None = None) -> None:
@@ -119,6 +126,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.calibration = Calibration(self.COST_DECAY)  # of drafted rounds
         self.build = RunningMean(self.COST_DECAY)  # building the draft tier (deferred, or after a free)
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+        # drafted rounds since the plain price was last measured, and when to measure it again
+        self.drafted_rounds, self.plain_probe_after, self.plain_probing = (
+            0,
+            self.FIRST_PLAIN_PROBE_AFTER,
+            False,
+        )
         if prior:
             for name in self.ESTIMATES:
                 setattr(self, name, copy.deepcopy(prior[name]))
@@ -149,6 +162,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
         if width > 1:
             self.verify.add(width, verify_seconds + commit_seconds)
         elif accepted:  # a plain round of one token: the round's whole time, as a stock step's
+            if self.plain_probing:  # measured anew after drafted rounds: the old price may be stale
+                self.plain_step = RunningMean(self.COST_DECAY)
             self.plain_step.add(draft_seconds + verify_seconds + commit_seconds)
         if not drafted and accepted:  # a plain round, with a proposer's tokens verified or (width 1) without
             self.plain_gain.add(sum(accepted) / len(accepted))
@@ -168,8 +183,19 @@ class CostAwareDraftLength(DraftLengthSchedule):
             return self.first_length  # then price drafting
         curve = self.acceptance.expectations(self.high)
         best = max([0, *range(self.low, self.high + 1)], key=lambda k: self.tokens_per_second(k, curve))
+        if self.plain_probing:  # a plain probe just ran: drafting still leads, or plain rounds take over
+            self.plain_probing = False
+            self.plain_probe_after = (
+                min(2 * self.plain_probe_after, self.LAST_PLAIN_PROBE_AFTER)
+                if best
+                else self.FIRST_PLAIN_PROBE_AFTER
+            )
         if best:
             self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
+            self.drafted_rounds += bool(drafted)
+            if self.drafted_rounds >= self.plain_probe_after and self.plain_width.value < 1.5:
+                self.drafted_rounds, self.plain_probing = 0, True
+                return 0  # the plain price is only measured by plain rounds: take one now and then
             return best
         if drafted:  # the drafted round just seen did not pay; if it was a probe, wait longer for the next
             if self.probing:
