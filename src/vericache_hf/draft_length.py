@@ -127,11 +127,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.build = RunningMean(self.COST_DECAY)  # building the draft tier (deferred, or after a free)
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
         # drafted rounds since the plain price was last measured, and when to measure it again
-        self.drafted_rounds, self.plain_probe_after, self.plain_probing = (
-            0,
-            self.FIRST_PLAIN_PROBE_AFTER,
-            False,
-        )
+        self.drafted_rounds, self.plain_probing = 0, False
+        self.plain_probe_after = self.FIRST_PLAIN_PROBE_AFTER
         if prior:
             for name in self.ESTIMATES:
                 setattr(self, name, copy.deepcopy(prior[name]))
