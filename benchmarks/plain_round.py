@@ -30,7 +30,7 @@ cfg = LlamaConfig(
     max_position_embeddings=16384,
 )
 model = LlamaForCausalLM(cfg).eval()
-for B, L in ((1, 2048), (4, 8000)):
+for B, L in ((1, 2048), (4, 2048), (4, 8000)):
     with torch.inference_mode():
         ids = torch.randint(0, 49152, (B, L))
         stock_cache = DynamicCache(config=cfg)

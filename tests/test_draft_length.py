@@ -79,31 +79,56 @@ def test_cost_aware_steps_plainly_when_drafts_miss_and_cost_as_much_as_a_step():
     assert all(lengths[i] == CostAwareDraftLength.PROBE_LENGTH for i in probes)
 
 
+def run_plain_prices(schedule, rounds, draft_step, plain_prices, verify, accept_run=3) -> list[int]:
+    """Rounds whose plain rounds take `plain_prices[i]` seconds, the i-th plain round of the call (the last price
+    from then on), and whose verify pass of w tokens takes `verify(w)`. Returns the draft length of each round."""
+    lengths = []
+    for _ in range(rounds):
+        k = schedule.current
+        plain = sum(not n for n in lengths)
+        lengths.append(k)
+        seconds = plain_prices[min(plain, len(plain_prices) - 1)] if not k else verify(k + 1)
+        schedule.observe(k, [min(k, accept_run)] * 2, k * draft_step, seconds)
+    return lengths
+
+
+def test_a_call_s_first_round_is_not_timed():
+    """The first round after a prefill pays one-off costs (at batch 4, up to 1.3x a later round). Priced from it, a
+    plain round looked dearer than drafting that costs what a plain round does, and the call drafted. Untimed, it
+    is followed by a second plain round that prices plain rounds: drafting is tried once and plain rounds win."""
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    lengths = run_plain_prices(schedule, 100, 0.025, [0.05, 0.025], lambda w: 0.02 + 0.002 * w)
+    assert lengths[:4] == [0, 0, 8, 0]
+    assert sum(k > 0 for k in lengths) < 0.05 * len(lengths)  # the first draft, then only probes
+
+
+def test_a_plain_price_above_a_wider_pass_is_measured_again_at_once():
+    """A one-token pass costs no more than a wider one: when a verify pass of 3 drafts took less than the plain
+    price, that price is stale (a slow round), and the next round is plain, to measure it anew."""
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    lengths = run_plain_prices(schedule, 100, 0.025, [0.05, 0.05, 0.025], lambda w: 0.02 + 0.002 * w)
+    first_drafted = next(i for i, k in enumerate(lengths) if k)
+    back_to_plain = next(i for i, k in enumerate(lengths) if i > first_drafted and not k)
+    assert back_to_plain <= first_drafted + 3
+    assert sum(k > 0 for k in lengths[back_to_plain:]) < 0.1 * len(lengths[back_to_plain:])
+
+
 def test_a_stale_plain_price_is_measured_again_while_drafting_leads():
-    """The first plain round cost twice a stock step (a call's first round), so drafting, a little dearer than a
-    stock step, looked ahead: a plain round after 16 drafted rounds finds the true price, and plain rounds take
-    over. Where drafting pays by far, such plain rounds come ever more rarely."""
-
-    def run(schedule, rounds, draft_step, first_plain, plain, accept_run=3):
-        lengths = []
-        for i in range(rounds):
-            k = schedule.current
-            lengths.append(k)
-            verify = (first_plain if i == 0 else plain) if not k else 0.02 + 0.002 * (k + 1)
-            schedule.observe(k, [min(k, accept_run)] * 2, k * draft_step, verify)
-        return lengths
-
-    # a draft step costs a plain round (0.025 s): 3 drafts, all accepted, take 0.103 s for 4 tokens (39 a second),
-    # against 20 a second at the first plain round's price and 40 at the true one
+    """A plain price twice the true one, where no verify pass shows it stale (each costs more than it): drafting
+    looked ahead, and a plain round after 16 drafted rounds finds the true price; plain rounds take over. Where
+    drafting pays by far, such plain rounds come ever more rarely."""
+    # 3 drafts, all accepted: 4 tokens in 0.089 s (45 a second), against 20 a second at the stale plain price and
+    # 50 at the true one
     schedule = CostAwareDraftLength(VeriCacheConfig())
-    lengths = run(schedule, 100, draft_step=0.025, first_plain=0.05, plain=0.025)
-    first_plain = next(i for i, k in enumerate(lengths) if i > 1 and not k)
-    assert 10 < first_plain <= 20  # about 16 drafted rounds, then the plain probe
-    assert sum(k == 0 for k in lengths[first_plain:]) > 0.9 * len(lengths[first_plain:])
-    # drafts run through and cost a tenth of a plain round: plain probes at 16, 32, 64, ... drafted rounds
+    lengths = run_plain_prices(schedule, 100, 0.01, [0.05, 0.05, 0.02], lambda w: 0.055 + 0.001 * w)
+    first_drafted = next(i for i, k in enumerate(lengths) if k)
+    back_to_plain = next(i for i, k in enumerate(lengths) if i > first_drafted and not k)
+    assert 10 < back_to_plain - first_drafted <= 20  # about 16 drafted rounds, then the plain probe
+    assert sum(k == 0 for k in lengths[back_to_plain:]) > 0.9 * len(lengths[back_to_plain:])
+    # drafts run through and cost a twenty-fifth of a plain round: plain probes at 16, 32, 64, ... drafted rounds
     schedule = CostAwareDraftLength(VeriCacheConfig())
-    lengths = run(schedule, 300, draft_step=0.001, first_plain=0.05, plain=0.025, accept_run=10_000)
-    plain = [i for i, k in enumerate(lengths) if i > 0 and not k]
+    lengths = run_plain_prices(schedule, 300, 0.001, [0.025], lambda w: 0.02 + 0.002 * w, accept_run=10_000)
+    plain = [i for i, k in enumerate(lengths) if i > 1 and not k]
     assert 2 <= len(plain) <= 4 and all(b - a > 20 for a, b in pairwise(plain))
     assert schedule.plain_probe_after > CostAwareDraftLength.FIRST_PLAIN_PROBE_AFTER
 
@@ -137,15 +162,15 @@ def test_a_probe_comes_only_where_it_can_pay():
     for step in (cheap, middling):
         assert len(probes(CostAwareDraftLength(VeriCacheConfig()), 300, step, 0.012, tokens=10_000)) > 3
     # a draft step that costs a plain round: after the first drafted round, no probe at all
-    assert probes(CostAwareDraftLength(VeriCacheConfig()), 300, dear, 0.012, tokens=10_000) == [1]
+    assert probes(CostAwareDraftLength(VeriCacheConfig()), 300, dear, 0.012, tokens=10_000) == [2]
     # near the end of an answer: of 30 tokens, the 11 left after 16 plain rounds cannot repay a probe
     schedule = CostAwareDraftLength(VeriCacheConfig())
-    assert probes(schedule, 30, middling, 0.012, tokens=30) == [1]
+    assert probes(schedule, 30, middling, 0.012, tokens=30) == [2]
     assert schedule.probe_pays(4, 10_000, True, schedule.acceptance.expectations(schedule.high))
     # a freed tier whose rebuild takes 30 s: no probe, where the same schedule with the tier held would
     schedule = CostAwareDraftLength(VeriCacheConfig())
     schedule.observe_build(30.0)
-    assert probes(schedule, 300, cheap, 0.012, tokens=2_000, tier_held=False) == [1]
+    assert probes(schedule, 300, cheap, 0.012, tokens=2_000, tier_held=False) == [2]
     assert len(probes(CostAwareDraftLength(VeriCacheConfig()), 300, cheap, 0.012, tokens=2_000)) > 3
 
 
@@ -159,8 +184,9 @@ def test_cost_aware_returns_to_drafting_when_a_probe_runs_through():
 
 
 def test_cost_aware_prices_plain_then_drafting_before_choosing():
+    # the call's first round is not timed: a second plain round prices plain rounds
     schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
-    assert drive(schedule, 2, 10_000, draft_step=0.01, verify_base=0.1)[:2] == [0, 8]
+    assert drive(schedule, 3, 10_000, draft_step=0.01, verify_base=0.1)[:3] == [0, 0, 8]
 
 
 def test_a_plain_round_is_priced_by_plain_rounds_not_by_wider_passes():
@@ -239,15 +265,17 @@ def test_acceptance_is_measured_per_position_not_assumed_geometric():
 
 def test_the_commit_into_both_tiers_is_part_of_a_round_s_price():
     # a drafted round's verify pass is cheap, but committing what it accepted (quantizing into the draft tier)
-    # costs as much as a plain round: with the commit priced, the third round is plain; without, it drafts
-    def third_round(commit_seconds: float) -> int:
+    # costs as much as a plain round: with the commit priced, the fourth round is plain; without, it drafts (the
+    # call's first round is not timed)
+    def fourth_round(commit_seconds: float) -> int:
         schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
-        schedule.observe(0, [0, 0], 0.0, 0.05, verified=1, commit_seconds=0.001)
+        for _ in range(2):
+            schedule.observe(0, [0, 0], 0.0, 0.05, verified=1, commit_seconds=0.001)
         schedule.observe(8, [4, 4], 8 * 0.02, 0.06, commit_seconds=commit_seconds)
         return schedule.current
 
-    assert third_round(0.001) > 0
-    assert third_round(0.2) == 0
+    assert fourth_round(0.001) > 0
+    assert fourth_round(0.2) == 0
 
 
 def test_calibration_is_measured_over_predicted_time_and_starts_at_one():

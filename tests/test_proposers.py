@@ -169,7 +169,7 @@ def test_sampled_tokens_with_prompt_lookup_are_distributed_as_stock(peaked, sche
     )
     stock = peaked.generate(ids, max_new_tokens=new_tokens, num_return_sequences=samples, **sampling)
     stats = out.vericache_stats
-    assert 0.1 < stats.proposal_keep_rate < 0.95, "the test needs kept and rejected proposals"
+    assert 0.05 < stats.proposal_keep_rate < 0.95, "the test needs kept and rejected proposals"
     if schedule == "fixed":
         assert stats.proposal_kept_tokens and 0.2 < stats.acceptance_rate < 0.95
     else:

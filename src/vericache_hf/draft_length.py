@@ -75,18 +75,20 @@ class CostAwareDraftLength(DraftLengthSchedule):
     the drafted rounds so far, so that a near tie the fits misjudge is settled by what rounds really cost. k = 0, a
     plain round, is priced by what plain rounds took, measured apart: a one-token pass takes the decode path (no
     mask, no multi-token attention), which a fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms
-    against a fitted 78 ms). k = 0 wins when
-    drafts are rejected early and a draft step costs nearly as much as a full-cache step (a CPU at short context);
-    then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
+    against a fitted 78 ms). k = 0 wins when drafts are rejected early and a draft step costs nearly as much as a
+    full-cache step (a CPU at short context); then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
     acceptance, at growing intervals while probes keep failing, and only where it can pay (`probe_pays`). On an
     accelerator the verify pass also pays for streaming the full tier, which the fit sees, so long drafts win there,
     as they should. While drafting leads, a plain round now and then (after 16 drafted rounds, then ever more
     rarely while drafting keeps leading) measures the plain price anew: only plain rounds measure it, and a price
-    from a call's slow first round, or from another call's prior, would otherwise never be corrected.
+    from a call's slow first round, or from another call's prior, would otherwise never be corrected. A wider pass
+    measured below the plain price shows it stale at once (a one-token pass costs no more), and the next round is
+    plain. A call's first round is not timed at all: the first decode step after a prefill pays one-off costs.
 
-    With nothing measured yet, the first round is plain (it costs what a stock step costs, and prices k = 0) and
-    the second drafts `draft_length` (it prices drafting); the third is chosen from both. Given a `prior` (what
-    earlier calls on the same model and settings measured, see `SchedulePriors`), the first round is chosen from it.
+    With nothing measured yet, the first two rounds are plain (they cost what stock steps cost, and the second
+    prices k = 0) and the third drafts `draft_length` (it prices drafting); the fourth is chosen from both. Given a
+    `prior` (what earlier calls on the same model and settings measured, see `SchedulePriors`), the first round is
+    chosen from it.
     """
 
     ACCEPTANCE_DECAY = 0.8  # per drafted round: acceptance follows the text, which changes
@@ -126,8 +128,10 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.calibration = Calibration(self.COST_DECAY)  # of drafted rounds
         self.build = RunningMean(self.COST_DECAY)  # building the draft tier (deferred, or after a free)
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
-        # drafted rounds since the plain price was last measured, and when to measure it again
-        self.drafted_rounds, self.plain_probing = 0, False
+        # drafted rounds since the plain price was last measured, and when to measure it again (or at once, when a
+        # wider pass was measured below it)
+        self.drafted_rounds, self.plain_probing, self.plain_stale = 0, False, False
+        self.rounds_seen = 0  # in this call
         self.plain_probe_after = self.FIRST_PLAIN_PROBE_AFTER
         if prior:
             for name in self.ESTIMATES:
@@ -154,27 +158,41 @@ class CostAwareDraftLength(DraftLengthSchedule):
         tier_held=True,
     ) -> None:
         width = verified or drafted + 1
-        if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
-            self.calibration.add(self.price(drafted)[1], draft_seconds + verify_seconds + commit_seconds)
-        if width > 1:
-            self.verify.add(width, verify_seconds + commit_seconds)
-        elif accepted:  # a plain round of one token: the round's whole time, as a stock step's
-            if self.plain_probing:  # measured anew after drafted rounds: the old price may be stale
-                self.plain_step = RunningMean(self.COST_DECAY)
-            self.plain_step.add(draft_seconds + verify_seconds + commit_seconds)
+        # a call's first round pays one-off costs (the first decode step after a prefill ran up to 1.3x a later
+        # one at batch 4): it is not timed, or a plain price from it alone would make drafting look cheap
+        if self.rounds_seen:
+            self._observe_costs(drafted, accepted, width, draft_seconds, verify_seconds + commit_seconds)
+        self.rounds_seen += 1
         if not drafted and accepted:  # a plain round, with a proposer's tokens verified or (width 1) without
             self.plain_gain.add(sum(accepted) / len(accepted))
             self.plain_width.add(width)
         if drafted and accepted:
-            self.draft_step.add(draft_seconds / drafted)
             self.acceptance.add([(drafted, n) for n in accepted])
         self.current = self._next(drafted, remaining, tier_held)
+
+    def _observe_costs(
+        self, drafted: int, accepted: list[int], width: int, draft: float, verify: float
+    ) -> None:
+        """Add one round's times (`verify` with the commit) to the cost model."""
+        if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
+            self.calibration.add(self.price(drafted)[1], draft + verify)
+        if width > 1:
+            self.verify.add(width, verify)
+            # a one-token pass costs no more than a wider one: a plain price above this pass's time is stale
+            self.plain_stale |= bool(self.plain_step.weight) and verify < self.plain_step.value
+        elif accepted:  # a plain round of one token: the round's whole time, as a stock step's
+            if self.plain_probing:  # measured anew after drafted rounds: the old price may be stale
+                self.plain_step = RunningMean(self.COST_DECAY)
+            self.plain_step.add(draft + verify)
+            self.plain_stale = False
+        if drafted and accepted:
+            self.draft_step.add(draft / drafted)
 
     def observe_build(self, seconds: float) -> None:
         self.build.add(seconds)
 
     def _next(self, drafted: int, remaining: int | None = None, tier_held: bool = True) -> int:
-        if not self.plain_step.weight and not self.plain_width.weight:
+        if not (self.plain_step.weight if self.plain_width.value < 1.5 else self.verify.n):
             return 0  # price a plain round first: it costs a stock step
         if not self.draft_step.weight:
             return self.first_length  # then price drafting
@@ -190,8 +208,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
         if best:
             self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
             self.drafted_rounds += bool(drafted)
-            if self.drafted_rounds >= self.plain_probe_after and self.plain_width.value < 1.5:
-                self.drafted_rounds, self.plain_probing = 0, True
+            due = self.drafted_rounds >= self.plain_probe_after
+            if (due or self.plain_stale) and self.plain_width.value < 1.5:
+                self.drafted_rounds, self.plain_probing, self.plain_stale = 0, True, False
                 return 0  # the plain price is only measured by plain rounds: take one now and then
             return best
         if drafted:  # the drafted round just seen did not pay; if it was a probe, wait longer for the next
