@@ -76,12 +76,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
     plain round, is priced by what plain rounds took, measured apart: a one-token pass takes the decode path (no
     mask, no multi-token attention), which a fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms
     against a fitted 78 ms). k = 0 wins when drafts are rejected early and a draft step costs nearly as much as a
-    full-cache step (a CPU at short context); then a plain step is the fastest lossless choice. While k = 0, a short probe draft now and then re-measures
-    acceptance, at growing intervals while probes keep failing, and only where it can pay (`probe_pays`). On an
-    accelerator the verify pass also pays for streaming the full tier, which the fit sees, so long drafts win there,
-    as they should. While drafting leads, a plain round now and then (after 16 drafted rounds, then ever more
-    rarely while drafting keeps leading) measures the plain price anew: only plain rounds measure it, and a price
-    from a call's slow first round, or from another call's prior, would otherwise never be corrected. A wider pass
+    full-cache step (a CPU at short context); then a plain step is the fastest lossless choice. While k = 0, a short
+    probe draft now and then re-measures acceptance, at growing intervals while probes keep failing, and only where
+    it can pay (`probe_pays`). On an accelerator the verify pass also pays for streaming the full tier, which the
+    fit sees, so long drafts win there, as they should. While drafting leads, a plain round now and then (after 16
+    drafted rounds, then ever more rarely while drafting keeps leading) measures the plain price anew: only plain
+    rounds measure it, and a price from another call's prior would otherwise never be corrected. A wider pass
     measured below the plain price shows it stale at once (a one-token pass costs no more), and the next round is
     plain. A call's first round is not timed at all: the first decode step after a prefill pays one-off costs.
 
