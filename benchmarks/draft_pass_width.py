@@ -1,6 +1,8 @@
 """What a wider pass costs: one forward of w tokens per row over 1,024 cached tokens (about a draft tier at 8k tokens
-and ratio 0.875), for w = 1, 2, 3, 6, 11 (prompt lookup offers up to 10), at batch 1 and 4, on the embedded model.
-Hierarchical drafting pays only when the tokens a wider pass keeps outweigh what the width costs.
+and ratio 0.875), for w = 1-6 and 11 (prompt lookup offers up to 10), at batch 1 and 4, on the embedded model.
+Hierarchical drafting pays only when the tokens a wider pass keeps outweigh what the width costs. On a 2-core CPU
+with MKL, one row per weight product is a matrix-vector product; 2-3 rows cost 2-3 of those and 4+ rows take a packed
+path at about twice one, so at batch 1 any pass wider than one token costs 1.6-2.2x a one-token pass.
 
     python benchmarks/draft_pass_width.py
 """
@@ -21,7 +23,7 @@ for batch in (1, 4):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(torch.randint(100, 20000, (batch, 1024)), past_key_values=cache, use_cache=True)
-        for width in (1, 2, 3, 6, 11):
+        for width in (1, 2, 3, 4, 5, 6, 11):
             seconds = []
             for _ in range(4):
                 tokens = torch.randint(100, 20000, (batch, width))
