@@ -36,15 +36,24 @@ def drive(
     """Run `rounds` rounds in which every row of 2 accepts `accept_run` drafts (capped by the draft length). A
     verify pass of w tokens costs `verify_base + verify_per_token * w`, a plain round `plain_step` when given.
     Returns the draft length of each round."""
+
+    def verify(width: int) -> float:
+        return verify_base + verify_per_token * width
+
+    plain = verify(1) if plain_step is None else plain_step
+    return run_plain_prices(schedule, rounds, draft_step, [plain], verify, accept_run)
+
+
+def run_plain_prices(schedule, rounds, draft_step, plain_prices, verify, accept_run=3) -> list[int]:
+    """Rounds whose plain rounds take `plain_prices[i]` seconds, the i-th plain round of the call (the last price
+    from then on), and whose verify pass of w tokens takes `verify(w)`. Returns the draft length of each round."""
     lengths = []
     for _ in range(rounds):
         k = schedule.current
+        plain = sum(not n for n in lengths)
         lengths.append(k)
-        accepted = [min(k, accept_run)] * 2
-        verify = verify_base + verify_per_token * (k + 1)
-        if not k and plain_step is not None:
-            verify = plain_step
-        schedule.observe(k, accepted, k * draft_step, verify)
+        seconds = plain_prices[min(plain, len(plain_prices) - 1)] if not k else verify(k + 1)
+        schedule.observe(k, [min(k, accept_run)] * 2, k * draft_step, seconds)
     return lengths
 
 
@@ -77,19 +86,6 @@ def test_cost_aware_steps_plainly_when_drafts_miss_and_cost_as_much_as_a_step():
     gaps = [b - a for a, b in pairwise(probes)]
     assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes come, ever more rarely
     assert all(lengths[i] == CostAwareDraftLength.PROBE_LENGTH for i in probes)
-
-
-def run_plain_prices(schedule, rounds, draft_step, plain_prices, verify, accept_run=3) -> list[int]:
-    """Rounds whose plain rounds take `plain_prices[i]` seconds, the i-th plain round of the call (the last price
-    from then on), and whose verify pass of w tokens takes `verify(w)`. Returns the draft length of each round."""
-    lengths = []
-    for _ in range(rounds):
-        k = schedule.current
-        plain = sum(not n for n in lengths)
-        lengths.append(k)
-        seconds = plain_prices[min(plain, len(plain_prices) - 1)] if not k else verify(k + 1)
-        schedule.observe(k, [min(k, accept_run)] * 2, k * draft_step, seconds)
-    return lengths
 
 
 def test_a_call_s_first_round_is_not_timed():
