@@ -197,6 +197,37 @@ def test_a_plain_round_is_priced_by_plain_rounds_not_by_wider_passes():
     assert schedule.tokens_per_second(0) == pytest.approx(1 / 0.05)
 
 
+def test_a_plain_round_with_a_proposer_is_priced_as_the_plain_gate_will_run_it():
+    # Batch 1 on a 2-core CPU at 2k tokens with prompt lookup (the composed trace of session 23): a one-token pass
+    # takes 75 ms, a pass verifying 10 proposals 140 ms; a draft step costs as much as a one-token pass, and a
+    # drafted round's verify pass, committing into both tiers, 180 ms and more. One plain round in 3 finds 10
+    # proposals and keeps 1. Drafts are always accepted, yet a plain round that asks for proposals yields 1.33
+    # tokens in 97 ms on average, more than any draft length. Priced by a fit over wide passes at the plain
+    # rounds' mean width, plain rounds made 6.5 tokens a second and the schedule drafted in 297 rounds of 300.
+    gate = ProposalLength(limit=10)
+    schedule = CostAwareDraftLength(VeriCacheConfig(), plain_gate=gate)
+    lengths, tokens, seconds = [], 0, 0.0
+    for i in range(300):
+        k = schedule.current
+        lengths.append(k)
+        if k:
+            verify = 0.18 + 0.01 * (k + 1)
+            schedule.observe(k, [k], 0.075 * k, verify, verified=k + 1)
+            tokens, seconds = tokens + k + 1, seconds + 0.075 * k + verify
+            continue
+        asked = gate.current > 0
+        m = gate.current if asked and i % 3 == 0 else 0
+        kept, took = min(m, 1), 0.14 if m else 0.075
+        gate.observe(1 + m, took, [m], [kept])
+        schedule.observe(0, [kept], 0.0, took, verified=1 + m, asked=asked)
+        tokens, seconds = tokens + kept + 1, seconds + took
+    assert sum(k > 0 for k in lengths) < 0.05 * len(lengths)
+    assert tokens / seconds > 1 / 0.075  # proposals verified on the full tier beat plain rounds alone
+    assert schedule.tokens_per_second(0) == pytest.approx(tokens / seconds, rel=0.1)
+    gate.current = 0  # the next plain round will not ask: one token at the one-token price
+    assert schedule.tokens_per_second(0) == pytest.approx(1 / schedule.plain_step.value)
+
+
 def test_the_next_call_starts_from_what_the_last_one_measured():
     config = VeriCacheConfig()
     # where drafting pays (a GPU at long context), the next call drafts long from its first round

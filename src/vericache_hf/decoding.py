@@ -110,7 +110,9 @@ def generate(
         timeline=config.timeline,
     )
     settings = _schedule_key(config, input_ids, proposer)
-    schedule = draft_length_schedule(config, io.do_sample, PRIORS.recall(model, settings))
+    schedule = draft_length_schedule(
+        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length
+    )
     cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
         with cohorts.prefilling() if cohorts is not None else nullcontext():

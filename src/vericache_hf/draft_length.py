@@ -41,11 +41,13 @@ class DraftLengthSchedule:
         commit_seconds: float = 0.0,
         remaining: int | None = None,
         tier_held: bool = True,
+        asked: bool = False,
     ) -> None:
         """After a round that drafted `drafted` tokens on the draft tier, verified a block of `verified` tokens
         (drafted + 1, or in a plain round with a proposer, its proposals + 1) and committed what it accepted.
         `remaining` is how many tokens a row may still emit (None: unknown); `tier_held`, whether the draft tier is
-        there to draft on now (when not, drafting first pays `observe_build`'s cost)."""
+        there to draft on now (when not, drafting first pays `observe_build`'s cost); `asked`, whether a plain
+        round asked the proposer for tokens to verify (it may have found none)."""
 
     def observe_build(self, seconds: float) -> None:
         """The draft tier was built (a deferred prefill's, or one freed by plain rounds) in `seconds`."""
@@ -71,19 +73,24 @@ class CostAwareDraftLength(DraftLengthSchedule):
     where E[tokens | k] = 1 + S(1) + ... + S(k) (the bonus token, then each draft position j reached with the
     measured probability S(j), an `AcceptanceCurve` over recent rounds), a draft step's time is a running mean, and
     a verify pass's time, with the commit of what it accepted into both tiers, is a running linear fit in the tokens
-    it checks. A drafted round's predicted time is then scaled by a `Calibration`, measured over predicted seconds of
-    the drafted rounds so far, so that a near tie the fits misjudge is settled by what rounds really cost. k = 0, a
-    plain round, is priced by what plain rounds took, measured apart: a one-token pass takes the decode path (no
-    mask, no multi-token attention), which a fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50 ms
-    against a fitted 78 ms). k = 0 wins when drafts are rejected early and a draft step costs nearly as much as a
-    full-cache step (a CPU at short context); then a plain step is the fastest lossless choice. While k = 0, a short
-    probe draft now and then re-measures acceptance, at growing intervals while probes keep failing, and only where
-    it can pay (`probe_pays`). On an accelerator the verify pass also pays for streaming the full tier, which the
-    fit sees, so long drafts win there, as they should. While drafting leads, a plain round now and then (after 16
-    drafted rounds, then ever more rarely while drafting keeps leading) measures the plain price anew: only plain
-    rounds measure it, and a price from another call's prior would otherwise never be corrected. A wider pass
-    measured below the plain price shows it stale at once (a one-token pass costs no more), and the next round is
-    plain. A call's first round is not timed at all: the first decode step after a prefill pays one-off costs.
+    it checks. A drafted round's predicted time is then scaled by a `Calibration`, measured over predicted seconds
+    of the drafted rounds so far, so that a near tie the fits misjudge is settled by what rounds really cost. k = 0,
+    a plain round, is priced by what plain rounds took, measured apart: a one-token pass takes the decode path (no
+    mask, no multi-token attention), which a fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50
+    ms against a fitted 78 ms). With a proposer, a plain round verifies its tokens when the `plain_gate` (a
+    `ProposalLength`) asks for them; k = 0 is then priced as what the gate will do next: the tokens and seconds that
+    plain rounds asking for proposals yielded (found or not), or a one-token plain round's. Either is measured
+    whole, never fitted: at batch 1 on a CPU a pass of 2+ tokens costs 1.6-2x a one-token pass, and a mean width
+    between the two (proposals come in bursts) prices neither. k = 0 wins when drafts are rejected early and a draft
+    step costs nearly as much as a full-cache step (a CPU at short context); then a plain step is the fastest
+    lossless choice. While k = 0, a short probe draft now and then re-measures acceptance, at growing intervals
+    while probes keep failing, and only where it can pay (`probe_pays`). On an accelerator the verify pass also pays
+    for streaming the full tier, which the fit sees, so long drafts win there, as they should. While drafting leads,
+    a plain round now and then (after 16 drafted rounds, then ever more rarely while drafting keeps leading)
+    measures the plain price anew: only plain rounds measure it, and a price from another call's prior would
+    otherwise never be corrected. A wider pass measured below the plain price shows it stale at once (a one-token
+    pass costs no more), and the next round is plain. A call's first round is not timed at all: the first decode
+    step after a prefill pays one-off costs.
 
     With nothing measured yet, the first two rounds are plain (they cost what stock steps cost, and the second
     prices k = 0) and the third drafts `draft_length` (it prices drafting); the fourth is chosen from both. Given a
@@ -107,8 +114,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
         "draft_step",
         "verify",
         "plain_step",
-        "plain_gain",
-        "plain_width",
+        "offer_tokens",
+        "offer_seconds",
         "probe_after",
         "calibration",
         "build",
@@ -116,15 +123,21 @@ class CostAwareDraftLength(DraftLengthSchedule):
         "drafted_rounds",
     )
 
-    def __init__(self, config: VeriCacheConfig, prior: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: VeriCacheConfig,
+        prior: dict[str, Any] | None = None,
+        plain_gate: ProposalLength | None = None,
+    ) -> None:
         super().__init__(config)
+        self.plain_gate = plain_gate
         self.first_length = config.draft_length
         self.acceptance = AcceptanceCurve(self.ACCEPTANCE_DECAY, self.high)
         self.draft_step = RunningMean(self.COST_DECAY)
         self.verify = RunningLinearFit(self.COST_DECAY)  # passes that check 2 or more tokens
-        self.plain_step = RunningMean(self.COST_DECAY)  # a whole plain round without proposals
-        # plain rounds with a proposer verify its tokens too: what they gain, and how wide they are
-        self.plain_gain, self.plain_width = RunningMean(self.COST_DECAY), RunningMean(self.COST_DECAY)
+        self.plain_step = RunningMean(self.COST_DECAY)  # a whole plain round of one token
+        # plain rounds that asked the proposer: tokens per row, and seconds (whole rounds)
+        self.offer_tokens, self.offer_seconds = RunningMean(self.COST_DECAY), RunningMean(self.COST_DECAY)
         self.calibration = Calibration(self.COST_DECAY)  # of drafted rounds
         self.build = RunningMean(self.COST_DECAY)  # building the draft tier (deferred, or after a free)
         self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
@@ -156,22 +169,22 @@ class CostAwareDraftLength(DraftLengthSchedule):
         commit_seconds=0.0,
         remaining=None,
         tier_held=True,
+        asked=False,
     ) -> None:
         width = verified or drafted + 1
         # a call's first round pays one-off costs (the first decode step after a prefill ran up to 1.3x a later
         # one at batch 4): it is not timed, or a plain price from it alone would make drafting look cheap
         if self.rounds_seen:
-            self._observe_costs(drafted, accepted, width, draft_seconds, verify_seconds + commit_seconds)
+            self._observe_costs(
+                drafted, accepted, width, draft_seconds, verify_seconds + commit_seconds, asked
+            )
         self.rounds_seen += 1
-        if not drafted and accepted:  # a plain round, with a proposer's tokens verified or (width 1) without
-            self.plain_gain.add(sum(accepted) / len(accepted))
-            self.plain_width.add(width)
         if drafted and accepted:
             self.acceptance.add([(drafted, n) for n in accepted])
         self.current = self._next(drafted, remaining, tier_held)
 
     def _observe_costs(
-        self, drafted: int, accepted: list[int], width: int, draft: float, verify: float
+        self, drafted: int, accepted: list[int], width: int, draft: float, verify: float, asked: bool
     ) -> None:
         """Add one round's times (`verify` with the commit) to the cost model."""
         if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
@@ -185,6 +198,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
                 self.plain_step = RunningMean(self.COST_DECAY)
             self.plain_step.add(draft + verify)
             self.plain_stale = False
+        if not drafted and asked and accepted:  # what plain rounds that ask for proposals yield, found or not
+            if self.plain_probing:
+                self.offer_tokens = RunningMean(self.COST_DECAY)
+                self.offer_seconds = RunningMean(self.COST_DECAY)
+            self.offer_tokens.add(1 + sum(accepted) / len(accepted))
+            self.offer_seconds.add(draft + verify)
         if drafted and accepted:
             self.draft_step.add(draft / drafted)
 
@@ -192,7 +211,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.build.add(seconds)
 
     def _next(self, drafted: int, remaining: int | None = None, tier_held: bool = True) -> int:
-        if not (self.plain_step.weight if self.plain_width.value < 1.5 else self.verify.n):
+        if not self.price(0)[1]:
             return 0  # price a plain round first: it costs a stock step
         if not self.draft_step.weight:
             return self.first_length  # then price drafting
@@ -209,7 +228,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
             self.plain_rounds, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
             self.drafted_rounds += bool(drafted)
             due = self.drafted_rounds >= self.plain_probe_after
-            if (due or self.plain_stale) and self.plain_width.value < 1.5:
+            if due or self.plain_stale:
                 self.drafted_rounds, self.plain_probing, self.plain_stale = 0, True, False
                 return 0  # the plain price is only measured by plain rounds: take one now and then
             return best
@@ -251,16 +270,17 @@ class CostAwareDraftLength(DraftLengthSchedule):
     def price(self, k: int, curve: list[float] | None = None) -> tuple[float, float]:
         """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated); `curve` is
         `acceptance.expectations(...)`, when already computed."""
-        if not k:  # a plain round: one token, plus what a proposer's verified tokens added
-            width = self.plain_width.value or 1
-            seconds = (
-                self.plain_step.value
-                if width < 1.5 and self.plain_step.weight
-                else self.verify.predict(width)
-            )
-            return 1 + self.plain_gain.value, seconds
+        if not k:  # a plain round: what the next one will do, asking for proposals or not
+            if self.offers and self.offer_seconds.weight:
+                return self.offer_tokens.value, self.offer_seconds.value
+            return 1.0, self.plain_step.value
         expected = curve[k] if curve is not None else self.acceptance.expected(k)
         return expected, k * self.draft_step.value + self.verify.predict(k + 1)
+
+    @property
+    def offers(self) -> bool:
+        """Whether the next plain round asks the proposer for tokens to verify."""
+        return self.plain_gate is not None and self.plain_gate.current > 0
 
     def tokens_per_second(self, k: int, curve: list[float] | None = None) -> float:
         """Expected tokens per row and second for a round that drafts k, drafted rounds calibrated."""
@@ -501,15 +521,19 @@ SCHEDULES = {
 
 
 def draft_length_schedule(
-    config: VeriCacheConfig, sampling: bool = False, prior: dict[str, Any] | None = None
+    config: VeriCacheConfig,
+    sampling: bool = False,
+    prior: dict[str, Any] | None = None,
+    plain_gate: ProposalLength | None = None,
 ) -> DraftLengthSchedule:
     """The schedule `config.draft_schedule` names. `"auto"` is cost-aware under greedy decoding and adaptive under
     sampling: there the draft length decides which random numbers are drawn, so a length that follows the clock
     would make a seeded run unrepeatable (the output distribution would still be exact). `prior` (from
-    `SchedulePriors.recall`) starts a cost-aware schedule from earlier calls' measurements."""
+    `SchedulePriors.recall`) starts a cost-aware schedule from earlier calls' measurements; `plain_gate` is the
+    call's `ProposalLength` for plain rounds, when it has a proposer."""
     name = config.draft_schedule
     if name == "auto":
         name = "adaptive" if sampling else "cost_aware"
     if name == "cost_aware":
-        return CostAwareDraftLength(config, prior)
+        return CostAwareDraftLength(config, prior, plain_gate)
     return SCHEDULES[name](config)

@@ -420,7 +420,8 @@ class Round:
     k: int  # drafts asked of the schedule (0: a plain round)
     suffix: bool = False  # the first round after a stored prefix: its pending block is the prompt's suffix
     loading: bool = False  # the full prefix is still loading: draft on while it does
-    offered: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain round's proposals and their counts
+    asked: bool = False  # a plain round asked the proposer for tokens to verify
+    offered: tuple[torch.Tensor, torch.Tensor] | None = None  # what it found, and the counts
     captured: dict | None = None  # a suffix's layer inputs, to score the draft tier with (`verify_suffix`)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -451,6 +452,7 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     started = time.perf_counter()
     # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
     if not turn.k and io.proposer is not None and not turn.suffix:
+        turn.asked = io.plain_proposal_length.current > 0
         turn.offered = propose_to_full_tier(io, seqs, pending)
     most = (
         min(schedule.high, turn.room - 1) if turn.loading else turn.k
@@ -596,6 +598,7 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
             commit_seconds=turn.commit_seconds,
             remaining=max((io.of(b).max_length - seqs.lengths[b] for b in active), default=0),
             tier_held=cache.draft_tier_held,
+            asked=turn.asked,
         )
     if not any(seqs.unfinished):
         return
