@@ -18,6 +18,7 @@ from vericache_hf.draft_length import (
     DraftLengthSchedule,
     ProposalLength,
     RunningLinearFit,
+    bounding_rows,
     draft_length_schedule,
 )
 
@@ -271,9 +272,63 @@ def test_proposals_are_offered_only_where_a_wider_pass_pays_for_itself():
         offers.append(m)
         kept = [1 if m and i % 4 == 0 else 0]
         gate.observe(1 + m, 0.05 if not m else 0.075 + 0.001 * (1 + m), [m], kept)
-    assert offers[:2] == [0, 10]  # both kinds of pass measured first
+    assert offers[:3] == [0, 0, 10]  # the first pass is not timed; then both kinds of pass are measured
     assert sum(m == 0 for m in offers) > 0.9 * len(offers)
     assert gate.tokens_per_second(0) == pytest.approx(1 / 0.05)
+
+
+def test_a_gate_s_first_pass_is_not_timed_and_a_stale_one_token_price_is_measured_again():
+    # The plain gate's first pass is a call's first round, which pays one-off costs: here the first two one-token
+    # passes take 0.5 s, later ones 50 ms. Proposals are always found and one pass in four keeps one, so a pass
+    # offering 10 yields 1.25 tokens in 86 ms, below a one-token pass's 20 a second. Timed from its first passes
+    # alone, the one-token price (0.5 s) was never measured again while proposals kept coming, and the gate
+    # offered them in every pass.
+    gate = ProposalLength(limit=10)
+    offers, singles = [], 0
+    for i in range(200):
+        m = gate.current
+        offers.append(m)
+        singles += not m
+        seconds = (0.5 if singles <= 2 else 0.05) if not m else 0.075 + 0.001 * (1 + m)
+        gate.observe(1 + m, seconds, [m], [1 if m and i % 4 == 0 else 0])
+    assert sum(m == 0 for m in offers) > 0.9 * len(offers)
+    assert gate.tokens_per_second(0) == pytest.approx(1 / 0.05)
+
+
+def test_in_a_batch_a_row_without_proposals_gains_only_its_own_token():
+    # Batch 4: the proposer finds tokens for one row in four, which keeps 2 of 10. A pass offering them takes
+    # 80 ms for every row, a one-token pass 50 ms. Per row, a pass with proposals yields 1 + 2/4 = 1.5 tokens
+    # (18.75 a second), less than a one-token pass's 20; counting only the rows offered proposals, 3 tokens (37.5
+    # a second), and the gate offered them in every pass.
+    gate = ProposalLength(limit=10)
+    offers = []
+    for _ in range(200):
+        m = gate.current
+        offers.append(m)
+        gate.observe(1 + m, 0.08 if m else 0.05, [m, 0, 0, 0], [min(m, 2), 0, 0, 0])
+    assert sum(m == 0 for m in offers) > 0.9 * len(offers)
+    assert gate.share.value == pytest.approx(0.25)
+    assert gate.tokens_per_second(10) < gate.tokens_per_second(0)
+
+
+def test_in_a_batch_yield_is_measured_on_the_rows_the_call_waits_for():
+    # Batch 4, each row to emit 200 tokens. Only row 0 finds proposals (it copies a block), and keeps 6 of 10 each
+    # time: 2.5 tokens a row for a 0.3 s pass against 1 in 0.15 s. Rows 1-3 set the call's length either way
+    # (200 rounds), so every wider pass only slows it. Counting every row's gain, the gate offered proposals until
+    # row 0 was done (29 rounds, 1.15x the plain call's time).
+    gate, emitted, seconds = ProposalLength(limit=10), [0] * 4, 0.0
+    while min(emitted) < 200:
+        active = [b for b in range(4) if emitted[b] < 200]
+        offered = {b: gate.current if b == 0 else 0 for b in active}
+        kept = {b: min(6, n) for b, n in offered.items()}
+        took = 0.3 if any(offered.values()) else 0.15
+        bound = bounding_rows({b: 200 - emitted[b] for b in active})
+        gate.observe(1 + max(offered.values()), took, [offered[b] for b in bound], [kept[b] for b in bound])
+        for b in active:
+            emitted[b] = min(200, emitted[b] + 1 + kept[b])
+        seconds += took
+    assert seconds < 1.05 * 200 * 0.15
+    assert bounding_rows({0: 3, 1: 5, 2: 5}) == [1, 2]
 
 
 def test_acceptance_is_measured_per_position_not_assumed_geometric():

@@ -28,7 +28,7 @@ from .cache.capture import LayerInputCapture
 from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
-from .draft_length import DraftLengthSchedule, ProposalLength
+from .draft_length import DraftLengthSchedule, ProposalLength, bounding_rows
 from .prefix.reuse import PrefixReuse
 from .prefix.shared import SharedPrefixes
 from .proposers import Proposer
@@ -317,7 +317,9 @@ def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io
         stats.draft_forwards += 1
         stats.proposed_tokens += sum(offered_live)
         stats.proposal_kept_tokens += sum(kept_live)
-        schedule.observe(block.shape[-1], time.perf_counter() - started, offered_live, kept_live)
+        bound = bounding_rows({b: n for b, n in enumerate(need) if n > 0})  # passes go on until they have k
+        seconds = time.perf_counter() - started
+        schedule.observe(block.shape[-1], seconds, [offered[b] for b in bound], [kept[b] for b in bound])
     if not k:
         return pending.new_empty((batch, 0)), None
     # rows that stopped or are near max_length drafted fewer: padding, verified with the rest and never emitted
@@ -418,6 +420,7 @@ class Round:
     active: list[int]  # rows still generating
     room: int  # tokens the longest-running active row may still emit
     k: int  # drafts asked of the schedule (0: a plain round)
+    bound: list[int]  # the active rows with `room` left: what they gain is what the call gains
     suffix: bool = False  # the first round after a stored prefix: its pending block is the prompt's suffix
     loading: bool = False  # the full prefix is still loading: draft on while it does
     asked: bool = False  # a plain round asked the proposer for tokens to verify
@@ -525,9 +528,8 @@ def record_round(cache: VeriCache, turn: Round, drafted: int, accepted: list[int
         stats.proposed_tokens += sum(counts)
         stats.proposals_verified_kept += sum(kept)
         width = turn.offered[0].shape[-1] + 1 if turn.offered is not None else 1
-        io.plain_proposal_length.observe(
-            width, turn.draft_seconds + turn.verify_seconds, [counts[b] for b in turn.active], kept
-        )
+        bound = [counts[b] for b in turn.bound], [min(accepted[b], counts[b]) for b in turn.bound]
+        io.plain_proposal_length.observe(width, turn.draft_seconds + turn.verify_seconds, *bound)
 
 
 def commit_round(cache: VeriCache, turn: Round, pending, accepted: list[int], going_on: bool) -> torch.Tensor:
@@ -570,11 +572,13 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
     """One round: draft, verify, emit, record, commit, and the schedule's and the draft tier's upkeep."""
     stats, seqs, pending, positions = cache.stats, state.seqs, state.pending, state.positions
     active = [b for b, alive in enumerate(seqs.unfinished) if alive]
-    room = max(io.of(b).max_length - seqs.lengths[b] for b in active)
+    left = {b: io.of(b).max_length - seqs.lengths[b] for b in active}
+    room = max(left.values())
     # the first round after a prefix drafts only while the full prefix loads: the first token comes first
     suffix = pending.dim() == 2
     k = 0 if suffix else max(0, min(schedule.current, room - 1))
-    turn = Round(active, room, k, suffix, loading=suffix and not io.prefix.full_tier_ready())
+    loading = suffix and not io.prefix.full_tier_ready()
+    turn = Round(active, room, k, bounding_rows(left), suffix, loading=loading)
 
     drafts, draft_probs = draft_round(model, cache, pending, positions, turn, io, seqs, schedule)
     raw, scores, accepted, tokens = verify_round(
@@ -591,7 +595,7 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
     if not suffix:  # a first round after a prefix prefilled the suffix too: not a draft round's cost
         schedule.observe(
             drafted,
-            [accepted[b] for b in active],
+            [accepted[b] for b in turn.bound],
             turn.draft_seconds,
             turn.verify_seconds,
             verified=drafts.shape[-1] + 1,
