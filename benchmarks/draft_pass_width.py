@@ -15,6 +15,7 @@ import torch
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from transformers import DynamicCache
 
+from vericache_hf.compat import cache_kwargs
 from vericache_tools import load_embedded_model
 
 model, _ = load_embedded_model()
@@ -22,13 +23,13 @@ torch.manual_seed(0)
 for batch in (1, 4):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(100, 20000, (batch, 1024)), past_key_values=cache, use_cache=True)
+        model(torch.randint(100, 20000, (batch, 1024)), **cache_kwargs(model, cache), use_cache=True)
         for width in (1, 2, 3, 4, 5, 6, 11):
             seconds = []
             for _ in range(4):
                 tokens = torch.randint(100, 20000, (batch, width))
                 started = time.perf_counter()
-                model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=width)
+                model(tokens, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=width)
                 seconds.append(time.perf_counter() - started)
                 cache.crop(-width)
             print(f"batch {batch}, width {width}: {1000 * sorted(seconds)[1]:.1f} ms (second fastest of 4)")

@@ -8,6 +8,9 @@ Three ways to answer, side by side in one run:
 - compressed-first: VeriCache with `prefix_store`: fetch the compressed draft tier (snapkv, 1/8 of the KV), draft at
   once while the full KV streams in behind, and let the first verify pass prefill the suffix exactly.
 
+With `--proposer prompt_lookup`, both ways also run composed with prompt lookup (issue 23): full-first with
+transformers' own prompt lookup decoding, compressed-first with prompt lookup proposing to the draft tier.
+
 Reports time to first token, end-to-end latency, decode tokens/s and whether each output equals recompute's
 (identical share), per prefix, link and backend; writes results.json, table.md and plot.png.
 
@@ -30,12 +33,14 @@ from transformers import DynamicCache
 
 import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.compat import cache_kwargs
 from vericache_hf.prefix import DiskStore, PrefixCache, RedisStore, ThrottledStore, fingerprint_for
 from vericache_tools.embedded import load_embedded_model
 from vericache_tools.prompts import code_context, humaneval_problems
 from vericache_tools.redis_server import running_redis, server_binary
 from vericache_tools.report import save_results
 
+PROMPT_LOOKUP = " + prompt lookup"
 LINKS = {"1": (1e9, 2e-3), "5": (5e9, 0.5e-3), "25": (25e9, 0.2e-3)}  # Gbit/s: (bit/s, latency per request)
 
 
@@ -84,6 +89,12 @@ def main() -> None:
     parser.add_argument("--backends", default="disk,redis")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=1, help="requests (suffixes) per cell")
+    parser.add_argument(
+        "--proposer",
+        choices=["none", "prompt_lookup"],
+        default="none",
+        help="also run both ways composed with it",
+    )
     parser.add_argument("--out", default="docs/bench-prefix")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -111,30 +122,34 @@ def cell(model, ids, store, prefix_tokens, backend, config, fingerprint, new, ar
     """One request answered by recompute, then by full-first and compressed-first over each link."""
     reference, ttft, total = timed(lambda streamer: model.generate(ids, streamer=streamer, **new))
     rows = [row("recompute", backend, prefix_tokens, "-", ttft, total, True, args)]
+    ways = [("", {}, {})]
+    if args.proposer == "prompt_lookup":
+        ways.append((PROMPT_LOOKUP, {"prompt_lookup_num_tokens": 10}, {"proposer": "prompt_lookup"}))
     for gbit in args.gbits.split(","):
         bandwidth, latency = LINKS[gbit]
         link = ThrottledStore(store, bandwidth / 8, latency)
+        for suffix, stock, composed in ways:
 
-        def full_first(streamer, link=link):
-            hit, kv = PrefixCache(link).load(ids[:, :prefix_tokens], fingerprint)
-            assert hit == prefix_tokens, f"the full prefix is not stored ({hit} tokens hit)"
-            cache = DynamicCache(ddp_cache_data=kv)
-            return model.generate(ids, past_key_values=cache, streamer=streamer, **new)
+            def full_first(streamer, link=link, stock=stock):
+                hit, kv = PrefixCache(link).load(ids[:, :prefix_tokens], fingerprint)
+                assert hit == prefix_tokens, f"the full prefix is not stored ({hit} tokens hit)"
+                cache = DynamicCache(ddp_cache_data=kv)
+                return model.generate(ids, **cache_kwargs(model, cache), streamer=streamer, **new, **stock)
 
-        out, ttft, total = timed(full_first)
-        rows.append(
-            row("full-first", backend, prefix_tokens, gbit, ttft, total, torch.equal(out, reference), args)
-        )
-        stats = VeriCacheStats()
-        vericache = VeriCacheConfig(**{**config, "prefix_store": link}, stats=stats)
-        out, ttft, total = timed(
-            lambda streamer, vericache=vericache: model.generate(
-                ids, streamer=streamer, generation_mode="vericache", vericache_config=vericache, **new
+            out, ttft, total = timed(full_first)
+            same = torch.equal(out, reference)
+            rows.append(row("full-first" + suffix, backend, prefix_tokens, gbit, ttft, total, same, args))
+            stats = VeriCacheStats()
+            vericache = VeriCacheConfig(**{**config, **composed, "prefix_store": link}, stats=stats)
+            out, ttft, total = timed(
+                lambda streamer, vericache=vericache: model.generate(
+                    ids, streamer=streamer, generation_mode="vericache", vericache_config=vericache, **new
+                )
             )
-        )
-        same = torch.equal(out, reference)
-        rows.append(row("compressed-first", backend, prefix_tokens, gbit, ttft, total, same, args, stats))
-        print(json.dumps(rows[-2:]), flush=True)
+            same = torch.equal(out, reference)
+            method = "compressed-first" + suffix
+            rows.append(row(method, backend, prefix_tokens, gbit, ttft, total, same, args, stats))
+            print(json.dumps(rows[-2:]), flush=True)
     return rows
 
 
@@ -198,23 +213,28 @@ def report(rows: list[dict], out: Path, args) -> None:
         "e2e (s) | e2e speedup | TTFT sooner by (s) | identical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for backend in backends:
-        for prefix in prefixes:
-            recompute = cell("recompute", backend, prefix, "-")
-            for gbit in links:
-                full, fast = (
-                    cell("full-first", backend, prefix, gbit),
-                    cell("compressed-first", backend, prefix, gbit),
-                )
-                speedup = mean(f["end_to_end_s"] / c["end_to_end_s"] for f, c in zip(full, fast, strict=True))
-                sooner = mean(f["ttft_s"] - c["ttft_s"] for f, c in zip(full, fast, strict=True))
-                same = sum(r["identical"] for r in full + fast + recompute)
-                lines.append(
-                    f"| {backend} | {prefix} | {gbit} | {mean(r['end_to_end_s'] for r in recompute):.2f} | "
-                    f"{mean(r['ttft_s'] for r in full):.2f} / {mean(r['end_to_end_s'] for r in full):.2f} | "
-                    f"{mean(r['ttft_s'] for r in fast):.2f} / {mean(r['end_to_end_s'] for r in fast):.2f} | "
-                    f"{speedup:.2f}x | {sooner:+.2f} | {same}/{len(full + fast + recompute)} |"
-                )
+    suffixes = [""] + ([PROMPT_LOOKUP] if args.proposer == "prompt_lookup" else [])
+    for suffix in suffixes:
+        if suffix:
+            lines += ["", f"Both ways{suffix}:", "", *lines[2:4]]
+        for backend in backends:
+            for prefix in prefixes:
+                recompute = cell("recompute", backend, prefix, "-")
+                for gbit in links:
+                    full, fast = (
+                        cell("full-first" + suffix, backend, prefix, gbit),
+                        cell("compressed-first" + suffix, backend, prefix, gbit),
+                    )
+                    pairs = list(zip(full, fast, strict=True))
+                    speedup = mean(f["end_to_end_s"] / c["end_to_end_s"] for f, c in pairs)
+                    sooner = mean(f["ttft_s"] - c["ttft_s"] for f, c in pairs)
+                    same = sum(r["identical"] for r in full + fast + recompute)
+                    lines.append(
+                        f"| {backend} | {prefix} | {gbit} | {mean(r['end_to_end_s'] for r in recompute):.2f} | "
+                        f"{mean(r['ttft_s'] for r in full):.2f} / {mean(r['end_to_end_s'] for r in full):.2f} | "
+                        f"{mean(r['ttft_s'] for r in fast):.2f} / {mean(r['end_to_end_s'] for r in fast):.2f} | "
+                        f"{speedup:.2f}x | {sooner:+.2f} | {same}/{len(full + fast + recompute)} |"
+                    )
     save_results(out, rows, lines)
     figure, axes = plt.subplots(
         len(backends), len(prefixes), figsize=(4 * len(prefixes), 3.2 * len(backends)), squeeze=False
