@@ -263,15 +263,29 @@ def test_priors_are_kept_per_model_and_settings(llama):
     assert PRIORS.recall(llama, _schedule_key(config, ids, None)) is None
 
 
+def run_gate(gate, passes: int, seconds, rows) -> list[int]:
+    """Drive a proposal gate: a pass offering m takes `seconds(m, singles)` (singles: one-token passes so far, this
+    one included), and its rows are offered and keep `rows(m, i)` ((offered, kept) lists). Returns each pass's m."""
+    offers, singles = [], 0
+    for i in range(passes):
+        m = gate.current
+        offers.append(m)
+        singles += not m
+        gate.observe(1 + m, seconds(m, singles), *rows(m, i))
+    return offers
+
+
+def one_in_four_keeps_one(m: int, i: int) -> tuple[list[int], list[int]]:
+    """One row, offered m; one pass in four keeps one proposal."""
+    return [m], [1 if m and i % 4 == 0 else 0]
+
+
 def test_proposals_are_offered_only_where_a_wider_pass_pays_for_itself():
     # one-token passes take 50 ms, wider ones 75 ms and more; a quarter of proposals is kept (runs of about 0.3)
     gate = ProposalLength(limit=10)
-    offers = []
-    for i in range(200):
-        m = gate.current
-        offers.append(m)
-        kept = [1 if m and i % 4 == 0 else 0]
-        gate.observe(1 + m, 0.05 if not m else 0.075 + 0.001 * (1 + m), [m], kept)
+    offers = run_gate(
+        gate, 200, lambda m, _: 0.05 if not m else 0.075 + 0.001 * (1 + m), one_in_four_keeps_one
+    )
     assert offers[:3] == [0, 0, 10]  # the first pass is not timed; then both kinds of pass are measured
     assert sum(m == 0 for m in offers) > 0.9 * len(offers)
     assert gate.tokens_per_second(0) == pytest.approx(1 / 0.05)
@@ -284,13 +298,11 @@ def test_a_gate_s_first_pass_is_not_timed_and_a_stale_one_token_price_is_measure
     # alone, the one-token price (0.5 s) was never measured again while proposals kept coming, and the gate
     # offered them in every pass.
     gate = ProposalLength(limit=10)
-    offers, singles = [], 0
-    for i in range(200):
-        m = gate.current
-        offers.append(m)
-        singles += not m
-        seconds = (0.5 if singles <= 2 else 0.05) if not m else 0.075 + 0.001 * (1 + m)
-        gate.observe(1 + m, seconds, [m], [1 if m and i % 4 == 0 else 0])
+
+    def seconds(m: int, singles: int) -> float:
+        return (0.5 if singles <= 2 else 0.05) if not m else 0.075 + 0.001 * (1 + m)
+
+    offers = run_gate(gate, 200, seconds, one_in_four_keeps_one)
     assert sum(m == 0 for m in offers) > 0.9 * len(offers)
     assert gate.tokens_per_second(0) == pytest.approx(1 / 0.05)
 
@@ -301,11 +313,9 @@ def test_in_a_batch_a_row_without_proposals_gains_only_its_own_token():
     # (18.75 a second), less than a one-token pass's 20; counting only the rows offered proposals, 3 tokens (37.5
     # a second), and the gate offered them in every pass.
     gate = ProposalLength(limit=10)
-    offers = []
-    for _ in range(200):
-        m = gate.current
-        offers.append(m)
-        gate.observe(1 + m, 0.08 if m else 0.05, [m, 0, 0, 0], [min(m, 2), 0, 0, 0])
+    offers = run_gate(
+        gate, 200, lambda m, _: 0.08 if m else 0.05, lambda m, _: ([m, 0, 0, 0], [min(m, 2), 0, 0, 0])
+    )
     assert sum(m == 0 for m in offers) > 0.9 * len(offers)
     assert gate.share.value == pytest.approx(0.25)
     assert gate.tokens_per_second(10) < gate.tokens_per_second(0)
