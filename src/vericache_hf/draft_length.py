@@ -90,7 +90,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
     measures the plain price anew: only plain rounds measure it, and a price from another call's prior would
     otherwise never be corrected. A wider pass measured below the plain price shows it stale at once (a one-token
     pass costs no more), and the next round is plain. A call's first round is not timed at all: the first decode
-    step after a prefill pays one-off costs.
+    step after a prefill pays one-off costs. In a batch, the acceptance observed is that of the rows the call
+    waits for (`bounding_rows`).
 
     With nothing measured yet, the first two rounds are plain (they cost what stock steps cost, and the second
     prices k = 0) and the third drafts `draft_length` (it prices drafting); the fourth is chosen from both. Given a

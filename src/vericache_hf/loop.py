@@ -528,8 +528,12 @@ def record_round(cache: VeriCache, turn: Round, drafted: int, accepted: list[int
         stats.proposed_tokens += sum(counts)
         stats.proposals_verified_kept += sum(kept)
         width = turn.offered[0].shape[-1] + 1 if turn.offered is not None else 1
-        bound = [counts[b] for b in turn.bound], [min(accepted[b], counts[b]) for b in turn.bound]
-        io.plain_proposal_length.observe(width, turn.draft_seconds + turn.verify_seconds, *bound)
+        io.plain_proposal_length.observe(
+            width,
+            turn.draft_seconds + turn.verify_seconds,
+            [counts[b] for b in turn.bound],
+            [min(accepted[b], counts[b]) for b in turn.bound],
+        )
 
 
 def commit_round(cache: VeriCache, turn: Round, pending, accepted: list[int], going_on: bool) -> torch.Tensor:
