@@ -205,18 +205,21 @@ def report(rows: list[dict], out: Path, args) -> None:
             if (r["method"], r["backend"], r["prefix"], r["gbit"]) == (method, backend, prefix, gbit)
         ]
 
-    lines = [
-        f"Means over {args.requests} request(s) per cell, {args.new_tokens} new tokens; speedup = full-first / "
-        "compressed-first, per request, then averaged.",
-        "",
+    header = [
         "| backend | prefix | link (Gbit/s) | recompute e2e (s) | full-first TTFT / e2e (s) | compressed-first TTFT / "
         "e2e (s) | e2e speedup | TTFT sooner by (s) | identical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    lines = [
+        f"Means over {args.requests} request(s) per cell, {args.new_tokens} new tokens; speedup = full-first / "
+        "compressed-first, per request, then averaged.",
+        "",
+        *header,
+    ]
     suffixes = [""] + ([PROMPT_LOOKUP] if args.proposer == "prompt_lookup" else [])
     for suffix in suffixes:
         if suffix:
-            lines += ["", f"Both ways{suffix}:", "", *lines[2:4]]
+            lines += ["", f"Both ways{suffix}:", "", *header]
         for backend in backends:
             for prefix in prefixes:
                 recompute = cell("recompute", backend, prefix, "-")
