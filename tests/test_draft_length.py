@@ -397,3 +397,21 @@ def test_linear_fit_recovers_a_line_and_never_predicts_a_free_pass():
     flat = RunningLinearFit(decay=0.95)
     flat.add(9, 0.2)
     assert flat.predict(1) == pytest.approx(0.2)  # one point: no slope
+
+
+def test_a_pass_narrower_than_any_measured_is_not_priced_below_the_narrowest():
+    # a CPU at batch 1, measured: 4 drafts a round (5-token passes) and 8 (9-token); 3-token passes took 134 ms
+    fit = RunningLinearFit(decay=0.95)
+    fit.add(9, 0.176)
+    fit.add(5, 0.100)
+    assert fit.predict(3) == pytest.approx(fit.predict(5)) and fit.predict(9) > fit.predict(5)
+    config = VeriCacheConfig(draft_schedule="cost_aware", draft_length=8, min_draft_length=2)
+    schedule = draft_length_schedule(config)
+    schedule.observe(0, [1], 0.0, 0.2)  # a call's first round: not timed
+    schedule.observe(0, [1], 0.0, 0.076)  # a plain round: 13 tokens a second
+    schedule.observe(8, [0], 8 * 0.067, 0.176)  # drafting priced: 67 ms a draft step, rejected at once
+    schedule.observe(0, [1], 0.0, 0.076)
+    schedule.observe(4, [4], 4 * 0.064, 0.100)  # a probe of 4 runs through
+    schedule.observe(4, [4], 4 * 0.064, 0.100)  # and another
+    # two drafts and a 3-token pass: 2 * 64 ms + at least 100 ms for 3 tokens, slower than three plain rounds
+    assert schedule.current == 0
