@@ -160,6 +160,12 @@ def test_build_methods_puts_the_reference_first():
         -1
     ] == "prompt_lookup"
     assert len(build_methods(["snapkv"], [0.75], peers=[])) == 3
+    alone = build_methods(["snapkv", "kivi"], [0.875], peers=[], lossy=False)  # --no-lossy
+    assert [(m.family, m.compressor) for m in alone] == [
+        ("full", None),
+        ("vericache", "snapkv"),
+        ("vericache", "kivi"),
+    ]
     with pytest.raises(ValueError, match="Unknown peer"):
         build_methods(["snapkv"], [0.75], peers=["medusa"])
 

@@ -107,6 +107,9 @@ def add_bench_command(subparsers) -> None:
         help="HF lossless peers",
     )
     parser.add_argument("--no-peers", action="store_true", help="skip the HF peers")
+    parser.add_argument(
+        "--no-lossy", action="store_true", help="skip compressed-only decoding (the lossy baselines)"
+    )
     parser.add_argument("--model", default=None, help="a Hub id or folder (None: the embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")
     parser.add_argument(
@@ -138,12 +141,12 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
 #: Settings that change what a workload's rows mean; a resumed run must share them with the saved one.
 RESUME_KEYS = (
     "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "draft_schedules",
-    "repeats", "peers", "no_peers", "proposers",
+    "repeats", "peers", "no_peers", "proposers", "no_lossy",
 )  # fmt: skip
 
 
 #: What files written before a key of RESUME_KEYS existed were made with.
-BEFORE_THE_KEY = {"draft_schedules": ["adaptive"], "proposers": ["none"]}
+BEFORE_THE_KEY = {"draft_schedules": ["adaptive"], "proposers": ["none"], "no_lossy": False}
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -278,6 +281,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         draft_length=args.draft_length,
         draft_schedules=args.draft_schedules,
         proposers=args.proposers,
+        lossy=not args.no_lossy,
     )
     settings = run_settings(args)
     settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})

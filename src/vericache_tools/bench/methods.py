@@ -140,8 +140,10 @@ def build_methods(
     draft_length: int = 8,
     draft_schedules: list[str] | None = None,
     proposers: list[str] | None = None,
+    lossy: bool = True,
 ) -> list[Method]:
-    """Full cache first (the reference), then compressed-only and VeriCache for each compressor and ratio (one
+    """Full cache first (the reference), then compressed-only (unless `lossy` is False: a run that measures only
+    whether VeriCache is ever slower needs no lossy baseline) and VeriCache for each compressor and ratio (one
     VeriCache per schedule in `draft_schedules`, None: the config's default; and per entry of `proposers`, "none"
     being VeriCache alone, None: ["none"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
     chosen = list(PEERS) if peers is True else list(peers or [])
@@ -160,7 +162,8 @@ def build_methods(
     methods = [Method("full")]
     for compressor in compressors:
         for ratio in ratios:
-            methods.append(Method("lossy", compressor, ratio))
+            if lossy:
+                methods.append(Method("lossy", compressor, ratio))
             for schedule in draft_schedules or [None]:
                 for proposer in proposers or ["none"]:
                     proposer = None if proposer == "none" else proposer
