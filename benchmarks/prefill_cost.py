@@ -19,7 +19,8 @@ import time
 import torch
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from plain_round import smollm2_shaped  # noqa: E402
+from transformers import DynamicCache
 
 from vericache_hf import VeriCache
 from vericache_hf.compat import cache_kwargs
@@ -44,17 +45,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x2048,4x2048", help="batch x prompt tokens, comma separated")
     parser.add_argument("--compressors", default=DEFAULT, help="name@ratio, comma separated")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=16384,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = smollm2_shaped()
+    config = model.config
     methods = [("stock", None)] + [
         (name, (name.split("@")[0], float(name.split("@")[1]))) for name in args.compressors.split(",")
     ]
