@@ -110,6 +110,12 @@ def add_bench_command(subparsers) -> None:
     parser.add_argument(
         "--no-lossy", action="store_true", help="skip compressed-only decoding (the lossy baselines)"
     )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="run each method side by side with a full-cache call, the two taking turns token by token, and take "
+        "its ratios to that call: a shared machine's drift then falls on both (needs --no-lossy)",
+    )
     parser.add_argument("--model", default=None, help="a Hub id or folder (None: the embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")
     parser.add_argument(
@@ -141,12 +147,12 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
 #: Settings that change what a workload's rows mean; a resumed run must share them with the saved one.
 RESUME_KEYS = (
     "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "draft_schedules",
-    "repeats", "peers", "no_peers", "proposers", "no_lossy",
+    "repeats", "peers", "no_peers", "proposers", "no_lossy", "paired",
 )  # fmt: skip
 
 
 #: What files written before a key of RESUME_KEYS existed were made with.
-BEFORE_THE_KEY = {"draft_schedules": ["adaptive"], "proposers": ["none"], "no_lossy": False}
+BEFORE_THE_KEY = {"draft_schedules": ["adaptive"], "proposers": ["none"], "no_lossy": False, "paired": False}
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -253,6 +259,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         _reexec_with_cpu_env(args)
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     args = apply_quick(args)
+    if args.paired and not args.no_lossy:
+        raise SystemExit(
+            "--paired needs --no-lossy: compressed-only decoding is not HF generate, so it cannot take turns."
+        )
     import torch
 
     from .methods import build_methods
@@ -318,6 +328,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         on_workload=save_workload,
         on_repeat=save_repeat,
         measured=in_progress,
+        paired=args.paired,
     )
     json_path, md_path = report(complete=True)
     figures = plot_all(json.loads(json_path.read_text())["rows"], args.out)

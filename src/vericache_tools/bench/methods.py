@@ -75,11 +75,15 @@ class Method:
         """HF assisted decoding (prompt lookup, early exit) is batch-1 only."""
         return batch_size == 1 or self.family not in ("prompt_lookup", "early_exit")
 
-    def generate(self, model, batch: PromptBatch, max_new_tokens: int) -> Generation:
+    def generate(self, model, batch: PromptBatch, max_new_tokens: int, streamer=None) -> Generation:
+        """Greedy decoding of `batch`; `streamer` gets the prompt, then each new token, as `generate` gives them
+        (not taken by compressed-only decoding)."""
         ids, mask = batch.input_ids, batch.attention_mask
         prompt = ids.shape[-1]
-        common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+        common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
         if self.family == "lossy":
+            if streamer is not None:
+                raise ValueError(f"{self.name} takes no streamer: it is not HF generate.")
             from ..lossy import compressed_only_generate
 
             out = compressed_only_generate(

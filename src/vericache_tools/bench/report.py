@@ -5,6 +5,10 @@ Speeds are medians over repeats, summed over a workload's batches. `tok/s` count
 shows the decoding loop, which is where the methods differ; at long contexts and batch 4 a prefill on this CPU takes
 minutes and would drown it. A K/V-only compressor on the CPU compresses when drafting first needs it, so its cost
 counts in decode time there. Quality is judged against full-cache output.
+
+In a paired run (`--paired`) each method ran side by side with a full-cache call, taking turns, and its ratios are
+to that call (`reference_seconds`); there, prefill time is the time to the first token, and absolute speeds are
+those of calls taking turns (about a fifth slower than alone, every method alike).
 """
 
 from __future__ import annotations
@@ -64,8 +68,12 @@ def summarize(samples: list[Sample], workloads: list[Workload], tokenizer=None) 
     full = {row["workload"]: row for row in rows if row["family"] == "full"}
     for row in rows:
         base = full[row["workload"]]
-        row["speed_ratio"] = _ratio(row["tokens_per_s"], base["tokens_per_s"])
-        row["decode_ratio"] = _ratio(row["decode_tokens_per_s"], base["decode_tokens_per_s"])
+        speed, decode = base["tokens_per_s"], base["decode_tokens_per_s"]
+        if "reference_seconds" in row:  # paired: the full-cache calls that ran beside this method's
+            speed = base["tokens_per_s"] * base["seconds"] / row["reference_seconds"]
+            decode = base["decode_tokens_per_s"] * base["decode_seconds"] / row["reference_decode_seconds"]
+        row["speed_ratio"] = _ratio(row["tokens_per_s"], speed)
+        row["decode_ratio"] = _ratio(row["decode_tokens_per_s"], decode)
     return rows
 
 
@@ -104,6 +112,12 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
     row["seconds"] = seconds
     row["decode_seconds"] = decode_seconds
     row["first_pass_seconds"] = sum(median(s.prefill_seconds) for s in group)  # to the first token
+    if method.family != "full" and all(s.reference_seconds for s in group):
+        row["reference_seconds"] = sum(median(s.reference_seconds) for s in group)
+        row["reference_decode_seconds"] = sum(
+            median(t - p for t, p in zip(s.reference_seconds, s.reference_prefill_seconds, strict=True))
+            for s in group
+        )
     pairs = [
         (out, ref) for s in group for out, ref in zip(s.rows, reference[s.batch_index].rows, strict=True)
     ]
@@ -340,6 +354,11 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, settings: dict[str, 
         "\n\n*passes: share of outputs that pass HumanEval's own tests, among problems whose full-cache output "
         "passes (n/a when none does). Speeds are medians over interleaved repeats in one process.\n"
     )
+    if settings.get("paired"):
+        notes += (
+            "\nPaired run: each method ran side by side with a full-cache call, the two taking turns token by "
+            "token, and its ratios are to that call. Absolute speeds are those of calls taking turns.\n"
+        )
     md_path.write_text(
         overview_table(rows)
         + f"\n\n{OVERVIEW_KEY}\n\nEvery number:\n\n"

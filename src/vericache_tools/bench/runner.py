@@ -9,6 +9,10 @@ repeats (`Sample.to_dict` makes them JSON), and `measured` gives back such sampl
 again. So a run of many hours can stop and go on later, losing at most the repeat it was in (at 8k tokens and
 batch 4 one repeat of the grid's methods is most of an hour).
 
+With `paired=True`, each method instead runs side by side with a full-cache call, the two taking turns token by
+token (`turns.run_side_by_side`), and its ratios are to that call: machine drift then falls on both alike within
+seconds, not across calls.
+
 Between runs, untimed, the heap's free memory goes back to the OS, and each run records its peak resident memory:
 see `release_free_memory` and `PeakMemory`.
 """
@@ -31,6 +35,7 @@ from vericache_hf import VeriCacheStats
 
 from .methods import Method
 from .quality import trim
+from .turns import run_side_by_side
 from .workloads import Workload
 
 
@@ -51,6 +56,9 @@ class Sample:
     prefill_seconds: list[float] = field(default_factory=list)  # each run's first forward pass
     peak_rss_bytes: list[int] = field(default_factory=list)  # each run's peak resident memory (Linux only)
     skipped: str | None = None  # why the method does not apply (n/a)
+    # paired runs: the full-cache call that ran side by side with each run, its whole time and time to first token
+    reference_seconds: list[float] = field(default_factory=list)
+    reference_prefill_seconds: list[float] = field(default_factory=list)
 
     @property
     def median_seconds(self) -> float:
@@ -167,19 +175,56 @@ def _run_once(model, method: Method, batch, sample: Sample, max_new_tokens: int,
     with torch.no_grad(), PeakMemory() as peak, FirstForwardTimer(model) as timer:
         started = time.perf_counter()
         generation = method.generate(model, batch, max_new_tokens)
-        sample.seconds.append(time.perf_counter() - started)
-    sample.prefill_seconds.append(timer.seconds)
-    if peak.bytes is not None:
-        sample.peak_rss_bytes.append(peak.bytes)
+        seconds = time.perf_counter() - started
+    _record(model, sample, batch, generation, seconds, timer.seconds, peak.bytes, eos, first)
+
+
+def _run_paired(
+    model, reference: Sample, sample: Sample, batch, max_new_tokens: int, eos: set[int], repeat: int
+):
+    """`sample`'s method side by side with a full-cache call, taking turns; which of the two goes first alternates
+    with the repeat. The full-cache call is kept in `sample.reference_*`, and in `reference` too on its first pair."""
+    release_free_memory()
+    pair = [reference, sample] if repeat % 2 == 0 else [sample, reference]
+    results = run_side_by_side(model, [s.method for s in pair], batch, max_new_tokens)
+    for run, result in zip(pair, results, strict=True):
+        if run is reference:
+            sample.reference_seconds.append(result.seconds)
+            sample.reference_prefill_seconds.append(result.first_token_seconds)
+            if len(reference.seconds) > repeat:
+                continue  # measured with an earlier pair of this repeat
+        _record(
+            model,
+            run,
+            batch,
+            result.generation,
+            result.seconds,
+            result.first_token_seconds,
+            None,
+            eos,
+            repeat == 0,
+        )
+
+
+def _record(
+    model, sample: Sample, batch, generation, seconds: float, prefill, peak, eos: set[int], first: bool
+) -> None:
+    """One run's times (and peak memory, when measured); on the first repeat, what it produced."""
+    sample.seconds.append(seconds)
+    sample.prefill_seconds.append(prefill)
+    if peak is not None:
+        sample.peak_rss_bytes.append(peak)
     if not first:
         return
     sample.rows = [trim(row, eos) for row in generation.new_tokens]
     sample.finished = [bool(row) and row[-1] in eos for row in sample.rows]
     # Compressed-only decoding runs every row to max_new_tokens; the others stop each row at its EOS.
-    lengths = [generation.new_tokens.shape[-1]] * batch.batch_size if method.family == "lossy" else None
+    lengths = (
+        [generation.new_tokens.shape[-1]] * batch.batch_size if sample.method.family == "lossy" else None
+    )
     sample.computed_tokens = sum(lengths) if lengths else sum(len(row) for row in sample.rows)
     sample.stats = generation.stats
-    if method.family == "full":
+    if sample.method.family == "full":
         slots = int(batch.attention_mask.sum()) + sample.computed_tokens
         sample.kv_bytes = slots * kv_bytes_per_token(model)
 
@@ -195,24 +240,31 @@ def run_bench(
     on_workload: Callable[[Workload, list[Sample]], None] | None = None,
     on_repeat: Callable[[Workload, list[Sample]], None] | None = None,
     measured: Iterable[Sample] = (),
+    paired: bool = False,
 ) -> list[Sample]:
     """Every method on every batch of every workload, `repeats` times each, interleaved.
 
     `on_repeat(workload, samples)` is called after each repeat of a batch, with the samples of that batch so far,
     and `on_workload(workload, samples)` as each workload ends, with all of its samples, so a long run can save what
     it has. A batch with a sample of every method in `measured` (same workload name and batch index) goes on from
-    the repeats those samples hold: with all of them, it is not run again."""
+    the repeats those samples hold: with all of them, it is not run again. `paired`: each method runs side by side
+    with a full-cache call, taking turns (see the module's docstring); methods that are not HF `generate` (the
+    compressed-only baselines) cannot."""
     if not methods or methods[0].family != "full":
         raise ValueError(
             "methods must start with the full-cache method (Method('full')): it is the reference."
         )
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be positive, got {repeats} and {max_new_tokens}.")
+    if paired and (lossy := [m.name for m in methods if m.family == "lossy"]):
+        raise ValueError(
+            f"Paired runs take turns through generate's streamer, which {lossy} lack: leave them out."
+        )
     eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(model)
     kept = _measured_batches(measured, methods)
     runs = sum(
         (repeats - _repeats_done(kept.get((w.name, index), [])))
-        * sum(m.supports(w.batch_size) for m in methods)
+        * (sum(m.supports(w.batch_size) for m in methods) - (1 if paired else 0))
         for w in workloads
         for index in range(len(w.batches))
     )
@@ -233,12 +285,16 @@ def run_bench(
                 if not sample.method.supports(batch.batch_size):
                     sample.skipped = f"batch-1 only (batch {batch.batch_size})"
             for repeat in range(_repeats_done(group), repeats):
-                shift = repeat % len(group)
-                for sample in group[shift:] + group[:shift]:
+                order = group[1:] if paired else group
+                shift = repeat % len(order)
+                for sample in order[shift:] + order[:shift]:
                     if sample.skipped:
                         continue
                     bar.set_description(f"{workload.name} #{index} r{repeat + 1}: {sample.method.name}")
-                    _run_once(model, sample.method, batch, sample, max_new_tokens, eos, first=repeat == 0)
+                    if paired:
+                        _run_paired(model, group[0], sample, batch, max_new_tokens, eos, repeat)
+                    else:
+                        _run_once(model, sample.method, batch, sample, max_new_tokens, eos, first=repeat == 0)
                     bar.update()
                     rss = resident_bytes()
                     if rss is not None:

@@ -1,0 +1,152 @@
+"""Methods side by side in one process, taking turns token by token, each timed only while it runs (`--paired`).
+
+On a shared 2-core machine, speed drifts by up to 10% over tens of seconds (memory bandwidth shared with other
+machines' jobs: a fixed matrix-vector product of the model's size ran 50-62 ms within one minute), and a whole call
+moves with it, so calls run one after another that do the same work differ by up to 10%. Calls that take turns at
+every token they emit (and at every decoder layer until their first token, so a prefill is interleaved too) share
+the same drift: two full-cache calls side by side read 0.986-1.005 of each other.
+
+Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn when its streamer
+gets a token, which VeriCache's loop does between a round's verify pass and its commit, so the timers the
+cost-aware schedule prices rounds by never include another call's turn. Taking turns costs each call about a fifth
+more than running alone (caches refill after the other's turn), so only ratios between the calls mean anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .methods import Generation, Method
+from .workloads import PromptBatch
+
+
+class TakeTurns:
+    """A turn passed around a ring of parties (threads); `held[i]` is the time party i has held it. A party that
+    ends leaves the ring, so the others go on alone."""
+
+    def __init__(self, parties: int) -> None:
+        self.held = [0.0] * parties
+        self._turn, self._since, self._ended = 0, 0.0, set()
+        self._changed = threading.Condition()
+
+    def begin(self, party: int) -> None:
+        """Wait for `party`'s first turn (party 0 goes first)."""
+        with self._changed:
+            self._wait(party)
+
+    def pass_turn(self, party: int) -> None:
+        """Hand the turn to the next party still running, and wait for it to come back."""
+        with self._changed:
+            self._hand_on(party)
+            self._wait(party)
+
+    def end(self, party: int) -> None:
+        with self._changed:
+            self._ended.add(party)
+            self._hand_on(party)
+
+    def running(self, party: int) -> float:
+        """Seconds `party` has held the turn so far, the current turn included (call it while holding it)."""
+        return self.held[party] + time.perf_counter() - self._since
+
+    def _wait(self, party: int) -> None:
+        self._changed.wait_for(lambda: self._turn == party)
+        self._since = time.perf_counter()
+
+    def _hand_on(self, party: int) -> None:
+        self.held[party] += time.perf_counter() - self._since
+        parties = len(self.held)
+        ring = [(party + step) % parties for step in range(1, parties + 1)]
+        self._turn = next((p for p in ring if p not in self._ended), party)
+        self._changed.notify_all()
+
+
+class TurnStreamer(BaseStreamer):
+    """A call's streamer: the first `put` is the prompt; every later one is a token, after which the turn passes.
+    `first_token_seconds` is the call's held time when its first token came."""
+
+    def __init__(self, turns: TakeTurns, party: int) -> None:
+        self.turns, self.party, self.puts = turns, party, 0
+        self.first_token_seconds: float | None = None
+
+    @property
+    def before_first_token(self) -> bool:
+        return self.puts < 2
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 1:
+            return  # the prompt
+        if self.first_token_seconds is None:
+            self.first_token_seconds = self.turns.running(self.party)
+        self.turns.pass_turn(self.party)
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class TurnResult:
+    generation: Generation
+    seconds: float  # held time, the whole call
+    first_token_seconds: float  # held time up to the first token
+
+
+def _decoder_layers(model) -> Sequence[torch.nn.Module]:
+    """The model's decoder layers (`model.model.layers`, as transformers' decoder-only models have), or none."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
+def run_side_by_side(
+    model, methods: Sequence[Method], batch: PromptBatch, max_new_tokens: int
+) -> list[TurnResult]:
+    """Run `methods` on `batch` at once, one thread each, taking turns; the first method goes first. A method that
+    raises lets the others finish, then its error is raised here."""
+    turns = TakeTurns(len(methods))
+    current = threading.local()  # the streamer of the call this thread runs
+    results: list[TurnResult | None] = [None] * len(methods)
+    errors: list[BaseException] = []
+
+    def between_layers(module, args, output) -> None:  # a prefill is one long pass: take turns inside it too
+        streamer = getattr(current, "streamer", None)
+        if streamer is not None and streamer.before_first_token:
+            turns.pass_turn(streamer.party)
+
+    def run(party: int, method: Method) -> None:
+        streamer = TurnStreamer(turns, party)
+        current.streamer = streamer
+        turns.begin(party)
+        try:
+            with torch.no_grad():  # grad mode is per thread; not inference_mode: see the transfer engine
+                generation = method.generate(model, batch, max_new_tokens, streamer=streamer)
+            seconds = turns.running(party)
+            first = streamer.first_token_seconds
+            results[party] = TurnResult(generation, seconds, seconds if first is None else first)
+        except BaseException as error:  # noqa: BLE001 - raised in the caller once every call has ended
+            errors.append(error)
+        finally:
+            turns.end(party)
+
+    handles = [layer.register_forward_hook(between_layers) for layer in _decoder_layers(model)]
+    try:
+        threads = [
+            threading.Thread(target=run, args=(party, method), name=f"bench-turn-{party}")
+            for party, method in enumerate(methods)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if errors:
+        raise errors[0]
+    return results  # type: ignore[return-value]

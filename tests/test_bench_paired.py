@@ -1,0 +1,102 @@
+"""Paired bench runs: a method side by side with a full-cache call, taking turns token by token.
+
+Tiny random models in float64; exactness is against the full-cache call, which is stock `generate`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vericache_tools.bench import Method, run_bench
+from vericache_tools.bench.methods import Generation
+from vericache_tools.bench.report import summarize
+from vericache_tools.bench.turns import TakeTurns, run_side_by_side
+
+from .test_bench import synthetic_workload
+
+
+def test_parties_run_one_at_a_time_and_each_is_timed_only_while_it_runs():
+    turns, log, naps = TakeTurns(2), [], [0.002, 0.006]
+
+    def party(i: int, slices: int) -> None:
+        turns.begin(i)
+        try:
+            for _ in range(slices):
+                log.append((i, "in"))
+                time.sleep(naps[i])
+                log.append((i, "out"))
+                turns.pass_turn(i)
+        finally:
+            turns.end(i)
+
+    threads = [threading.Thread(target=party, args=(i, n)) for i, n in enumerate([5, 8])]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    wall = time.perf_counter() - started
+    assert not any(thread.is_alive() for thread in threads)
+    # never two at once: every slice ends before the next begins, and they alternate while both run
+    assert all(a[1] == "in" and b == (a[0], "out") for a, b in zip(log[::2], log[1::2], strict=True))
+    assert [i for i, _ in log[::2]] == [0, 1] * 5 + [1] * 3  # party 1 goes on alone after party 0 ends
+    assert turns.held[0] >= 5 * naps[0] and turns.held[1] >= 8 * naps[1]
+    assert sum(turns.held) <= wall  # disjoint turns: their times add up to no more than the wall clock
+
+
+class _Failing:
+    """A method whose call fails after its first token."""
+
+    name = "failing"
+
+    def generate(self, model, batch, max_new_tokens, streamer=None):
+        streamer.put(batch.input_ids)
+        streamer.put(batch.input_ids[:, -1])
+        raise RuntimeError("this call failed")
+
+
+def test_a_failing_call_raises_in_the_caller_after_the_other_finishes(llama):
+    workload = synthetic_workload(1)
+    finished = []
+
+    class _Full(Method):
+        def generate(self, *args, **kwargs) -> Generation:
+            out = super().generate(*args, **kwargs)
+            finished.append(out)
+            return out
+
+    with pytest.raises(RuntimeError, match="this call failed"):
+        run_side_by_side(llama, [_Full("full"), _Failing()], workload.batches[0], max_new_tokens=6)
+    assert len(finished) == 1  # the full-cache call ran to its end
+    assert all(not layer._forward_hooks for layer in llama.model.layers)  # the turn hooks are gone
+
+
+def test_a_paired_run_matches_stock_generate_and_takes_ratios_to_the_call_beside_it(llama):
+    # a fixed draft length: whether the cost-aware schedule drafts at all depends on this machine's clock
+    methods = [Method("full"), Method("vericache", "snapkv", 0.75, draft_schedule="fixed")]
+    methods.append(Method("vericache", "streaming_llm", 0.5, draft_schedule="fixed"))
+    workloads = [synthetic_workload(1), synthetic_workload(2, pad=5)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = run_bench(llama, workloads, methods, 12, repeats=2, progress=False, paired=True)
+    finally:
+        torch.set_num_threads(threads)
+    rows = summarize(samples, workloads)
+    for sample in samples:
+        assert len(sample.seconds) == len(sample.prefill_seconds) == 2
+        assert all(0 < p < t for p, t in zip(sample.prefill_seconds, sample.seconds, strict=True))
+        if sample.method.family == "vericache":
+            assert len(sample.reference_seconds) == len(sample.reference_prefill_seconds) == 2
+            assert sample.stats.rounds > 0  # it drafted
+    for row in (r for r in rows if r["family"] == "vericache"):
+        assert row["identical_share"] == 1.0  # against stock generate, which ran beside it in another thread
+        # the same tokens: the ratio is that of the full-cache calls beside it to its own time
+        assert row["speed_ratio"] == pytest.approx(row["reference_seconds"] / row["seconds"])
+        assert row["decode_ratio"] == pytest.approx(row["reference_decode_seconds"] / row["decode_seconds"])
+    with pytest.raises(ValueError, match="leave them out"):
+        run_bench(llama, workloads, [Method("full"), Method("lossy", "snapkv", 0.75)], 4, paired=True)
