@@ -13,7 +13,7 @@ import torch
 
 from vericache_tools.bench import Method, run_bench
 from vericache_tools.bench.methods import Generation
-from vericache_tools.bench.report import summarize
+from vericache_tools.bench.report import summarize, time_table
 from vericache_tools.bench.turns import TakeTurns, run_side_by_side
 
 from .test_bench import synthetic_workload
@@ -98,5 +98,7 @@ def test_a_paired_run_matches_stock_generate_and_takes_ratios_to_the_call_beside
         # the same tokens: the ratio is that of the full-cache calls beside it to its own time
         assert row["speed_ratio"] == pytest.approx(row["reference_seconds"] / row["seconds"])
         assert row["decode_ratio"] == pytest.approx(row["reference_decode_seconds"] / row["decode_seconds"])
+        # the prefill shown is the time to the first token, the library's own timer having run through turns
+        assert f"| {row['method']} | {row['first_pass_seconds']:.2f} |" in time_table(rows)
     with pytest.raises(ValueError, match="leave them out"):
         run_bench(llama, workloads, [Method("full"), Method("lossy", "snapkv", 0.75)], 4, paired=True)

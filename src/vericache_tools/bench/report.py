@@ -311,11 +311,13 @@ def time_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r["family"] != "vericache" or "rounds" not in r:
             continue
-        mine, theirs = r.get("first_pass_seconds"), full.get(r["workload"])
+        mine, theirs, prefill = r.get("first_pass_seconds"), full.get(r["workload"]), r["prefill_seconds"]
+        if "reference_seconds" in r:  # paired: the library's prefill timer ran through the other call's turns
+            theirs, prefill = r["reference_seconds"] - r["reference_decode_seconds"], mine
         first_pass = f"{mine / theirs:.2f}x" if mine and theirs else "n/a"
         transfer = f"{r['transfer_seconds']:.2f} ({r['transfer_wait_seconds']:.2f})"
         lines.append(
-            f"| {r['workload']} | {r['method']} | {r['prefill_seconds']:.2f} | {first_pass} | "
+            f"| {r['workload']} | {r['method']} | {prefill:.2f} | {first_pass} | "
             f"{r['compress_seconds']:.2f} | "
             f"{r['draft_seconds']:.2f} | {r['verify_seconds']:.2f} | {r.get('plain_round_seconds', 0.0):.2f} | "
             f"{r.get('commit_seconds', 0.0):.2f} | {transfer} | {r['rounds']} ({r.get('plain_rounds', 0)}) | "
