@@ -59,6 +59,43 @@ class _Failing:
         raise RuntimeError("this call failed")
 
 
+class _Long:
+    """A method that emits many tokens, one step at a time, counting its calls."""
+
+    name = "long"
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.calls = steps, 0
+
+    def generate(self, model, batch, max_new_tokens, streamer=None):
+        self.calls += 1
+        streamer.put(batch.input_ids)
+        for _ in range(self.steps):
+            time.sleep(0.001)
+            streamer.put(batch.input_ids[:, -1])
+        return Generation(torch.zeros(1, self.steps, dtype=torch.long))
+
+
+class _Counted(Method):
+    """A method that counts its calls."""
+
+    calls: dict = {}
+
+    def generate(self, *args, **kwargs) -> Generation:
+        _Counted.calls[self.name] = _Counted.calls.get(self.name, 0) + 1
+        return super().generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("short", [_Counted("full"), _Counted("vericache", "streaming_llm", 0.5)])
+def test_a_call_that_ends_first_stands_in_until_the_other_ends(llama, short):
+    # stand-ins keep the timed call from running its last steps alone; each is stopped through its own generate
+    workload, long = synthetic_workload(1), _Long(steps=200)
+    _Counted.calls.clear()
+    results = run_side_by_side(llama, [short, long], workload.batches[0], max_new_tokens=3)
+    assert [r.generation.new_tokens.shape[-1] for r in results] == [3, 200]
+    assert _Counted.calls[short.name] > 1 and long.calls == 1
+
+
 def test_a_failing_call_raises_in_the_caller_after_the_other_finishes(llama):
     workload = synthetic_workload(1)
     finished = []

@@ -3,13 +3,15 @@
 On a shared 2-core machine, speed drifts by up to 10% over tens of seconds (memory bandwidth shared with other
 machines' jobs: a fixed matrix-vector product of the model's size ran 50-62 ms within one minute), and a whole call
 moves with it, so calls run one after another that do the same work differ by up to 10%. Calls that take turns at
-every token they emit (and at every decoder layer until their first token, so a prefill is interleaved too) share
-the same drift: two full-cache calls side by side read 0.986-1.005 of each other.
+every step's tokens (and at every decoder layer until their first token, so a prefill is interleaved too) share the
+same drift: two full-cache calls side by side read 0.986-1.005 of each other.
 
-Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn when its streamer
-gets a token, which VeriCache's loop does between a round's verify pass and its commit, so the timers the
-cost-aware schedule prices rounds by never include another call's turn. Taking turns costs each call about a fifth
-more than running alone (caches refill after the other's turn), so only ratios between the calls mean anything.
+Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn each time its
+streamer has had a token per row (a stock step's; VeriCache emits row by row), which VeriCache's loop does between
+a round's verify pass and its commit, so the timers the cost-aware schedule prices rounds by never include another
+call's turn. Taking turns costs each call about a fifth more than running alone (caches refill after the other's
+turn), so a call that ended leaves its partner a stand-in (the same method again, untimed, stopped when every timed
+call has ended): no timed call runs its last steps alone, faster. Only ratios between the calls mean anything.
 """
 
 from __future__ import annotations
@@ -32,8 +34,17 @@ class TakeTurns:
 
     def __init__(self, parties: int) -> None:
         self.held = [0.0] * parties
-        self._turn, self._since, self._ended = 0, 0.0, set()
+        self._turn, self._since, self._ended, self._timed_ended = 0, 0.0, set(), set()
         self._changed = threading.Condition()
+
+    def timed_ended(self, party: int) -> None:
+        """`party`'s timed call has ended (it may go on as a stand-in)."""
+        with self._changed:
+            self._timed_ended.add(party)
+
+    def all_timed_ended(self) -> bool:
+        with self._changed:
+            return len(self._timed_ended) == len(self.held)
 
     def begin(self, party: int) -> None:
         """Wait for `party`'s first turn (party 0 goes first)."""
@@ -67,12 +78,18 @@ class TakeTurns:
         self._changed.notify_all()
 
 
-class TurnStreamer(BaseStreamer):
-    """A call's streamer: the first `put` is the prompt; every later one is a token, after which the turn passes.
-    `first_token_seconds` is the call's held time when its first token came."""
+class _StandInDone(Exception):
+    """Raised into a stand-in call once every timed call has ended."""
 
-    def __init__(self, turns: TakeTurns, party: int) -> None:
-        self.turns, self.party, self.puts = turns, party, 0
+
+class TurnStreamer(BaseStreamer):
+    """A call's streamer: the first `put` is the prompt; after that the turn passes each time the call has emitted
+    a token per row. `first_token_seconds` is the call's held time when its first token came. A stand-in's
+    streamer stops its call once every timed call has ended."""
+
+    def __init__(self, turns: TakeTurns, party: int, rows: int, stand_in: bool = False) -> None:
+        self.turns, self.party, self.rows, self.stand_in = turns, party, rows, stand_in
+        self.puts = self.tokens = 0
         self.first_token_seconds: float | None = None
 
     @property
@@ -85,7 +102,14 @@ class TurnStreamer(BaseStreamer):
             return  # the prompt
         if self.first_token_seconds is None:
             self.first_token_seconds = self.turns.running(self.party)
+        before, self.tokens = self.tokens, self.tokens + value.numel()
+        if self.tokens // self.rows > before // self.rows:
+            self.pass_turn()
+
+    def pass_turn(self) -> None:
         self.turns.pass_turn(self.party)
+        if self.stand_in and self.turns.all_timed_ended():
+            raise _StandInDone
 
     def end(self) -> None:
         pass
@@ -117,11 +141,10 @@ def run_side_by_side(
     def between_layers(module, args, output) -> None:  # a prefill is one long pass: take turns inside it too
         streamer = getattr(current, "streamer", None)
         if streamer is not None and streamer.before_first_token:
-            turns.pass_turn(streamer.party)
+            streamer.pass_turn()
 
     def run(party: int, method: Method) -> None:
-        streamer = TurnStreamer(turns, party)
-        current.streamer = streamer
+        streamer = current.streamer = TurnStreamer(turns, party, batch.batch_size)
         turns.begin(party)
         try:
             with torch.no_grad():  # grad mode is per thread; not inference_mode: see the transfer engine
@@ -129,9 +152,17 @@ def run_side_by_side(
             seconds = turns.running(party)
             first = streamer.first_token_seconds
             results[party] = TurnResult(generation, seconds, seconds if first is None else first)
+            turns.timed_ended(party)
+            while not turns.all_timed_ended():  # stand in for this call while a timed one runs
+                current.streamer = TurnStreamer(turns, party, batch.batch_size, stand_in=True)
+                with torch.no_grad():
+                    method.generate(model, batch, max_new_tokens, streamer=current.streamer)
+        except _StandInDone:
+            pass
         except BaseException as error:  # noqa: BLE001 - raised in the caller once every call has ended
             errors.append(error)
         finally:
+            turns.timed_ended(party)
             turns.end(party)
 
     handles = [layer.register_forward_hook(between_layers) for layer in _decoder_layers(model)]
