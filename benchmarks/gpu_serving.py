@@ -36,6 +36,11 @@ import vericache_hf  # noqa: E402
 from vericache_hf.admission import parse_bytes  # noqa: E402
 
 
+def _significant(value: float) -> float:
+    """Three significant digits: a CPU dry run copies a few MB/s, which one decimal of GB/s would show as 0.0."""
+    return float(f"{value:.3g}")
+
+
 def peak_bandwidth(device: str, size: int = 2**30) -> float | None:
     """Bytes/s of one pinned host-to-device copy of `size` bytes (the link's measured peak)."""
     if not device.startswith("cuda"):
@@ -109,7 +114,7 @@ def engine(model, prompts: torch.Tensor, budget: int, new_tokens: int, args) -> 
         "rows_per_round": round(cohorts.get("mean_rows_per_round", 0.0), 2),
         "accepted_per_round": round(stats.mean_accepted_per_round, 2),
         "hidden_share": round(stats.transfer_hidden_share, 3),
-        "copy_GBps": round(stats.bytes_to_device / busy / 1e9, 1) if busy else None,
+        "copy_GBps": _significant(stats.bytes_to_device / busy / 1e9) if busy else None,
     }
 
 
@@ -165,7 +170,7 @@ def main(argv=None) -> dict:
         "vericache_tokens_per_s": round(tokens / served["seconds"], 2),
         "speedup": round(stock["seconds"] / served["seconds"], 2),
         "identical": sum(a == b for a, b in zip(answers, reference, strict=True)),
-        "peak_copy_GBps": round(peak / 1e9, 1) if peak else None,
+        "peak_copy_GBps": _significant(peak / 1e9) if peak else None,
         **{k: v for k, v in served.items() if k != "seconds"},
     }
     print(json.dumps(row), flush=True)
