@@ -3,7 +3,7 @@
 On a shared 2-core machine, speed drifts by up to 10% over tens of seconds (memory bandwidth shared with other
 machines' jobs: a fixed matrix-vector product of the model's size ran 50-62 ms within one minute), and a whole call
 moves with it, so calls run one after another that do the same work differ by up to 10%. Calls that take turns at
-every step's tokens (and at every decoder layer until their first token, so a prefill is interleaved too) share the
+every step's tokens (and at every layer's attention until their first token, so a prefill is interleaved too) share the
 same drift: two full-cache calls side by side read 0.986-1.005 of each other.
 
 Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn each time its
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.streamers import BaseStreamer
+
+from vericache_hf.cache.capture import attention_modules
 
 from .methods import Generation, Method
 from .workloads import PromptBatch
@@ -122,12 +124,6 @@ class TurnResult:
     first_token_seconds: float  # held time up to the first token
 
 
-def _decoder_layers(model) -> Sequence[torch.nn.Module]:
-    """The model's decoder layers (`model.model.layers`, as transformers' decoder-only models have), or none."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
-
-
 def run_side_by_side(
     model, methods: Sequence[Method], batch: PromptBatch, max_new_tokens: int
 ) -> list[TurnResult]:
@@ -138,7 +134,7 @@ def run_side_by_side(
     results: list[TurnResult | None] = [None] * len(methods)
     errors: list[BaseException] = []
 
-    def between_layers(module, args, output) -> None:  # a prefill is one long pass: take turns inside it too
+    def between_layers(module, args, output) -> None:  # a prefill is one long pass: take turns in it too
         streamer = getattr(current, "streamer", None)
         if streamer is not None and streamer.before_first_token:
             streamer.pass_turn()
@@ -149,13 +145,12 @@ def run_side_by_side(
         try:
             with torch.no_grad():  # grad mode is per thread; not inference_mode: see the transfer engine
                 generation = method.generate(model, batch, max_new_tokens, streamer=streamer)
-            seconds = turns.running(party)
-            first = streamer.first_token_seconds
-            results[party] = TurnResult(generation, seconds, seconds if first is None else first)
-            turns.timed_ended(party)
-            while not turns.all_timed_ended():  # stand in for this call while a timed one runs
-                current.streamer = TurnStreamer(turns, party, batch.batch_size, stand_in=True)
-                with torch.no_grad():
+                seconds = turns.running(party)
+                first = streamer.first_token_seconds
+                results[party] = TurnResult(generation, seconds, seconds if first is None else first)
+                turns.timed_ended(party)
+                while not turns.all_timed_ended():  # stand in for this call while a timed one runs
+                    current.streamer = TurnStreamer(turns, party, batch.batch_size, stand_in=True)
                     method.generate(model, batch, max_new_tokens, streamer=current.streamer)
         except _StandInDone:
             pass
@@ -165,7 +160,7 @@ def run_side_by_side(
             turns.timed_ended(party)
             turns.end(party)
 
-    handles = [layer.register_forward_hook(between_layers) for layer in _decoder_layers(model)]
+    handles = [module.register_forward_hook(between_layers) for module in attention_modules(model)]
     try:
         threads = [
             threading.Thread(target=run, args=(party, method), name=f"bench-turn-{party}")
