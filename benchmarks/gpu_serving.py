@@ -82,6 +82,7 @@ def engine(model, prompts: torch.Tensor, budget: int, new_tokens: int, args) -> 
     config = vericache_hf.VeriCacheConfig(
         compressor=args.compressor,
         compression_ratio=args.compression_ratio,
+        draft_schedule=args.draft_schedule,
         staging_buffers=args.staging_buffers,
         chunk_tokens=args.chunk_tokens,
         stage_on_cpu=model.device.type == "cpu",  # the dry run exercises the copies too
@@ -129,6 +130,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", default="16GiB", help="device memory for KV, both methods alike")
     parser.add_argument("--compressor", default="snapkv")
     parser.add_argument("--compression-ratio", type=float, default=0.875)
+    parser.add_argument(
+        "--draft-schedule",
+        default=vericache_hf.VeriCacheConfig.draft_schedule,
+        help="VeriCacheConfig.draft_schedule (fixed: draft every round, whatever the clock says)",
+    )
     parser.add_argument("--staging-buffers", type=int, default=2)
     parser.add_argument("--chunk-tokens", type=int, default=4096)
     parser.add_argument("--out", help="write results.json and table.md here")

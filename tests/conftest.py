@@ -119,8 +119,11 @@ def random_prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 
 def vericache_dict(model, ids, compressor="streaming_llm", config=None, **kwargs):
-    """Greedy VeriCache returning the dict output: with `config`, or with `compressor` and a short fixed start."""
-    config = config or vericache_hf.VeriCacheConfig(compressor=compressor, draft_length=6)
+    """Greedy VeriCache returning the dict output: with `config`, or with `compressor` drafting 6 tokens every round
+    (the cost-aware schedule would decide by this machine's clock whether a tiny model's draft tier is used at all)."""
+    config = config or vericache_hf.VeriCacheConfig(
+        compressor=compressor, draft_length=6, draft_schedule="fixed"
+    )
     return model.generate(
         ids,
         do_sample=False,

@@ -415,3 +415,46 @@ def test_a_pass_narrower_than_any_measured_is_not_priced_below_the_narrowest():
     schedule.observe(4, [4], 4 * 0.064, 0.100)  # and another
     # two drafts and a 3-token pass: 2 * 64 ms + at least 100 ms for 3 tokens, slower than three plain rounds
     assert schedule.current == 0
+
+
+def two_plain_rounds(schedule, seconds: float) -> None:
+    """A call's first two rounds, plain: the first is not timed, the second prices a plain round."""
+    for _ in range(2):
+        schedule.observe(0, [0], 0.0, seconds)
+
+
+def test_a_build_drafting_could_never_repay_is_declined_and_remembered():
+    # SmolLM2-135M fp32 at 2k tokens, batch 1, on a CPU: 78 ms plain rounds; the weights are 85% of the bytes a plain
+    # step reads, so a draft step can save at most 15% of one. HQQ's build (4.5 s) then costs more than drafting could
+    # ever save over 126 tokens (about 1.4 s), and KIVI's (0.14 s) does not.
+    schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
+    two_plain_rounds(schedule, 0.078)
+    assert schedule.current == 8 and schedule.build_price is None  # drafting is priced next...
+    assert schedule.affords_build(0.14, remaining=126, draft_share=0.85)
+    assert not schedule.affords_build(4.5, remaining=126, draft_share=0.85)  # ...unless its build is dearer
+    assert schedule.current == 0 and schedule.build_price == 4.5
+    for _ in range(20):  # the tier stays unbuilt, and no round asks for it again
+        schedule.observe(0, [0], 0.0, 0.078, remaining=100, tier_held=False)
+        assert schedule.current == 0
+    # the next call on the same settings declines from the remembered price, without building a layer to measure it
+    after = CostAwareDraftLength(VeriCacheConfig(draft_length=8), schedule.estimates())
+    assert after.build_price == 4.5 and not after.affords_build(4.5, remaining=126, draft_share=0.85)
+    # at 8k tokens and batch 4 the full tier is three quarters of the bytes: drafting could save far more
+    long = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
+    two_plain_rounds(long, 0.078)
+    assert long.affords_build(4.5, remaining=126, draft_share=0.26)
+    # off the host (None: bytes over a link are no measure of time) and with no horizon, the build is paid
+    assert long.affords_build(4.5, remaining=126, draft_share=None)
+    assert long.affords_build(4.5, remaining=None, draft_share=0.85)
+
+
+def test_once_drafting_was_measured_a_build_is_weighed_as_a_probe_is():
+    schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
+    # drafts always rejected, a draft step as dear as a plain round: no build can pay
+    drive(schedule, 40, 0, draft_step=0.07, verify_base=0.078)
+    assert not schedule.affords_build(0.5, remaining=100, draft_share=0.85)
+    # drafts always accepted and cheap: a small build pays, one dearer than the whole answer does not
+    cheap = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
+    drive(cheap, 40, 10_000, draft_step=0.005, verify_base=0.078)
+    assert cheap.affords_build(0.05, remaining=100, draft_share=0.85)
+    assert not cheap.affords_build(100.0, remaining=100, draft_share=0.85)

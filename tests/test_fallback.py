@@ -6,11 +6,14 @@ the switches happen at known rounds, not by the clock)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from vericache_hf import VeriCache, VeriCacheConfig, VeriCacheStats
 from vericache_hf.compressors import build_compressor
+from vericache_hf.compressors.streaming_llm import StreamingLLMCompressor
 from vericache_hf.decoding import _schedule_key
 from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
 
@@ -31,9 +34,11 @@ def remember_plain_pays(model, config: VeriCacheConfig, ids: torch.Tensor) -> No
 
 @pytest.fixture(autouse=True)
 def probes_are_due(monkeypatch):
-    """Every due probe runs: whether one can pay reads the clock (a tiny model's draft step costs what a plain
-    round does, so none would), and these tests put the switches at known rounds. `probe_pays` has its own tests."""
+    """Every due probe runs, and no round drafts but a probe: whether one can pay, and whether drafting leads after a
+    probe that ran through, read the clock (a tiny model's draft step costs what a plain round does), and these
+    tests put the switches at known rounds. `probe_pays` and the choice of length have their own tests."""
     monkeypatch.setattr(CostAwareDraftLength, "probe_pays", lambda *args: True)
+    monkeypatch.setattr(CostAwareDraftLength, "tokens_per_second", lambda self, k, curve=None: float(not k))
 
 
 def stock(model, ids, mask=None, new=90):
@@ -125,3 +130,31 @@ def test_the_draft_tier_is_built_after_the_prefill_and_rebuilt_after_a_free(llam
     query_aware = VeriCache(llama.config.num_hidden_layers, build_compressor("snapkv", 0.5))
     with pytest.raises(ValueError, match="cannot be refreshed"):
         query_aware.free_draft_tier()
+
+
+class SlowBuild(StreamingLLMCompressor):
+    """StreamingLLM whose compression takes a fifth of a second a layer: a build dearer than anything drafting can
+    save on a tiny model (a plain round there takes milliseconds)."""
+
+    def compress(self, keys, values, context):
+        time.sleep(0.2)
+        return super().compress(keys, values, context)
+
+
+def test_a_build_drafting_could_never_repay_is_declined_after_its_first_layer(model, monkeypatch):
+    monkeypatch.undo()  # no probe is forced: no probe should come
+    ids = random_prompt(40, seed=8)
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(compressor=SlowBuild(compression_ratio=0.5), stats=stats)
+    # no prior: two plain rounds, then the round that would price drafting builds one layer, prices the whole build
+    # from it (two layers: 0.4 s) and declines it; every round is plain and the output is stock's
+    assert torch.equal(vericache(model, ids, config, new=30), stock(model, ids, new=30))
+    assert stats.draft_tier_builds == 0 and stats.draft_tier_builds_declined == 1
+    assert stats.rounds == 0 and stats.drafted_tokens == 0 and stats.plain_rounds == 29
+    assert 0.2 <= stats.compress_seconds < 0.4  # one layer was built, then dropped
+    # the next call on the same settings declines from the remembered price, building nothing
+    again = VeriCacheStats()
+    config = VeriCacheConfig(compressor=SlowBuild(compression_ratio=0.5), stats=again)
+    assert torch.equal(vericache(model, ids, config, new=30), stock(model, ids, new=30))
+    assert again.draft_tier_builds == 0 and again.draft_tier_builds_declined == 1
+    assert again.compress_seconds == 0 and again.drafted_tokens == 0

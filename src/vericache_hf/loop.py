@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -453,20 +454,17 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     """The round's drafts ((B, k) tokens and, when sampling, their probabilities): k steps on the draft tier (more
     while a prefix loads), a plain round's proposals to verify on the full tier, or nothing."""
     started = time.perf_counter()
+    # draft on while the full prefix loads
+    most = min(schedule.high, turn.room - 1) if turn.loading else turn.k
+    if most and not cache.draft_tier_held:  # the first draft after a deferring prefill, or after a free
+        if not build_for_drafting(model, cache, schedule, None if turn.loading else turn.room):
+            most = turn.k = 0  # drafting could not repay the build: the round turns plain
+        started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
     # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
     if not turn.k and io.proposer is not None and not turn.suffix:
         turn.asked = io.plain_proposal_length.current > 0
         turn.offered = propose_to_full_tier(io, seqs, pending)
-    most = (
-        min(schedule.high, turn.room - 1) if turn.loading else turn.k
-    )  # draft on while the full prefix loads
     if most:
-        if (
-            not cache.draft_tier_held
-        ):  # the first draft after a deferring prefill, or after plain rounds freed it
-            cache.build_draft_tier()
-            schedule.observe_build(time.perf_counter() - started)
-            started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
         with cache.drafting(most):  # the full tier streams in meanwhile
             more = io.prefix.keep_drafting if turn.loading else None
             drafts, draft_probs = draft(model, cache, pending, positions, turn.k, io, seqs, more, most)
@@ -481,6 +479,31 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     if io.timeline is not None and drafts.shape[-1] and turn.offered is None:
         io.timeline.add("draft", started, started + turn.draft_seconds)
     return drafts, draft_probs
+
+
+def build_for_drafting(model, cache: VeriCache, schedule: DraftLengthSchedule, remaining: int | None) -> bool:
+    """Build the draft tier for a drafted round, unless the schedule finds it dearer than drafting could save over
+    the `remaining` tokens (None: build). Its price is what the schedule measured, or before any build, the first
+    layer's time per layer. Returns whether it was built."""
+    started = time.perf_counter()
+    afford = partial(schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache))
+    price = schedule.build_price
+    built = (price is None or afford(price)) and cache.build_draft_tier(None if price is not None else afford)
+    if built:
+        schedule.observe_build(time.perf_counter() - started)
+    else:
+        cache.stats.draft_tier_builds_declined += 1
+    return built
+
+
+def draft_share(model, cache: VeriCache) -> float | None:
+    """The share of a plain step that a draft step cannot avoid, by bytes read: the model's weights against weights
+    plus the full tier, which a plain step reads and a draft step does not. None where the full tier is not read in
+    place: bytes over a host link are no measure of its time."""
+    if not cache.reads_in_place():
+        return None
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights / (weights + cache.full_tier_bytes())
 
 
 def verify_round(

@@ -40,13 +40,20 @@ def refresh_draft_tier(cache) -> None:
     """
     check_refreshable(cache.compressor)
     for layer in cache.layers:
-        if not layer.full.length:
-            raise RuntimeError("refresh_draft_tier needs a prefilled cache.")
-        keys, values = cache.layer_full_tier(layer.layer_idx)
-        context = CompressionContext(layer_idx=layer.layer_idx, valid=cache.full_valid.to(layer.device))
-        started = time.perf_counter()
-        layer.draft = cache.compressor.compress(keys.to(layer.dtype), values.to(layer.dtype), context)
-        cache.stats.compress_seconds += time.perf_counter() - started
+        refresh_draft_layer(cache, layer)
+
+
+def refresh_draft_layer(cache, layer) -> float:
+    """Rebuild one layer's draft tier from its full tier (see `refresh_draft_tier`); returns the seconds it took."""
+    if not layer.full.length:
+        raise RuntimeError("refresh_draft_tier needs a prefilled cache.")
+    keys, values = cache.layer_full_tier(layer.layer_idx)
+    context = CompressionContext(layer_idx=layer.layer_idx, valid=cache.full_valid.to(layer.device))
+    started = time.perf_counter()
+    layer.draft = cache.compressor.compress(keys.to(layer.dtype), values.to(layer.dtype), context)
+    seconds = time.perf_counter() - started
+    cache.stats.compress_seconds += seconds
+    return seconds
 
 
 def rescores(compressor: Compressor, suffix_length: int) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -39,7 +39,7 @@ from .capture import LayerInputCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
-from .refresh import RefreshPolicy, check_refreshable, refresh_draft_tier
+from .refresh import RefreshPolicy, check_refreshable, refresh_draft_layer
 from .transfer import LayerTransfer, TransferEngine
 
 #: Tokens a staging buffer leaves free after the full tier when no draft length was announced.
@@ -351,10 +351,23 @@ class VeriCache(Cache):
             layer.draft = None
         self.stats.draft_tier_frees += 1
 
-    def build_draft_tier(self) -> None:
-        """Compress the full tier into the draft tier, deferred at prefill or freed (its time in compress_seconds)."""
-        refresh_draft_tier(self)
+    def build_draft_tier(self, afford: Callable[[float], bool] | None = None) -> bool:
+        """Compress the full tier into the draft tier, deferred at prefill or freed (its time in compress_seconds).
+
+        `afford`, when given, is asked after the first layer whether the whole build, priced at that layer's time
+        per layer, is worth paying; when not, the first layer is dropped again and nothing more is built (a
+        build can cost more than a whole answer's drafting could save: HQQ's takes about a prefill's time on a
+        CPU). Returns whether the draft tier was built."""
+        check_refreshable(self.compressor)
+        first, *rest = self.layers
+        seconds = refresh_draft_layer(self, first)
+        if afford is not None and not afford(seconds * len(self.layers)):
+            first.draft = None
+            return False
+        for layer in rest:
+            refresh_draft_layer(self, layer)
         self.stats.draft_tier_builds += 1
+        return True
 
     @contextmanager
     def drafting(self, draft_length: int) -> Iterator[None]:
