@@ -450,11 +450,36 @@ def test_a_build_drafting_could_never_repay_is_declined_and_remembered():
 
 def test_once_drafting_was_measured_a_build_is_weighed_as_a_probe_is():
     schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
-    # drafts always rejected, a draft step as dear as a plain round: no build can pay
-    drive(schedule, 40, 0, draft_step=0.07, verify_base=0.078)
+    # drafts always rejected, a draft step dearer than a plain round: no build can pay
+    drive(schedule, 40, 0, draft_step=0.08, verify_base=0.078)
     assert not schedule.affords_build(0.5, remaining=100, draft_share=0.85)
     # drafts always accepted and cheap: a small build pays, one dearer than the whole answer does not
     cheap = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
     drive(cheap, 40, 10_000, draft_step=0.005, verify_base=0.078)
     assert cheap.affords_build(0.05, remaining=100, draft_share=0.85)
     assert not cheap.affords_build(100.0, remaining=100, draft_share=0.85)
+
+
+def test_a_plain_gate_s_probe_does_not_make_drafting_look_cheaper_than_a_plain_round():
+    # QA at 2k tokens, batch 1, with prompt lookup, on a 2-core CPU (session 28's trace): a one-token plain round
+    # takes 178 ms, a plain round verifying 10 proposals 470 ms and keeps about one in three; a draft step costs
+    # 200 ms, a drafted round's verify pass 450 ms. Even drafts that are always accepted (65 tokens in 13.25 s) lose
+    # to one-token plain rounds. The plain gate asks for proposals now and then to re-measure them; priced at such
+    # a probe's yield, plain rounds looked worse than drafting, and the schedule drafted a round at a loss each time.
+    gate = ProposalLength(limit=10)
+    schedule = CostAwareDraftLength(VeriCacheConfig(), plain_gate=gate)
+    lengths = []
+    for i in range(300):
+        k = schedule.current
+        lengths.append(k)
+        if k:
+            schedule.observe(k, [k], 0.2 * k, 0.45, verified=k + 1)
+            continue
+        asked = gate.current > 0
+        m = gate.current if asked else 0
+        kept, took = (int(i % 3 == 0), 0.47) if m else (0, 0.178)
+        gate.observe(1 + m, took, [m], [kept])
+        schedule.observe(0, [kept], 0.0, took, verified=1 + m, asked=asked)
+    # the round that prices drafting and the schedule's own probes (after 16, 32, 64 and 128 plain rounds), but none
+    # in a gate's probe's place (39 drafted rounds before the fix)
+    assert sum(k > 0 for k in lengths) <= 5

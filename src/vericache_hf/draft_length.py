@@ -90,7 +90,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
     mask, no multi-token attention), which a fit over wider passes overestimates (on a 2-core CPU at 2k tokens, 50
     ms against a fitted 78 ms). With a proposer, a plain round verifies its tokens when the `plain_gate` (a
     `ProposalLength`) asks for them; k = 0 is then priced as what the gate will do next: the tokens and seconds that
-    plain rounds asking for proposals yielded (found or not), or a one-token plain round's. Either is measured
+    plain rounds asking for proposals yielded (found or not), or a one-token plain round's, whichever is better (a
+    gate that asks now and then to re-measure proposals would otherwise price plain rounds at its probes' cost, and
+    the schedule would draft in their place at a loss). Either is measured
     whole, never fitted: at batch 1 on a CPU a pass of 2+ tokens costs 1.6-2x a one-token pass, and a mean width
     between the two (proposals come in bursts) prices neither. k = 0 wins when drafts are rejected early and a draft
     step costs nearly as much as a full-cache step (a CPU at short context); then a plain step is the fastest
@@ -332,10 +334,16 @@ class CostAwareDraftLength(DraftLengthSchedule):
     def price(self, k: int, curve: list[float] | None = None) -> tuple[float, float]:
         """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated); `curve` is
         `acceptance.expectations(...)`, when already computed."""
-        if not k:  # a plain round: what the next one will do, asking for proposals or not
+        if (
+            not k
+        ):  # a plain round: what the next one will do when it asks for proposals, if that beats one token
+            single = 1.0, self.plain_step.value
             if self.offers and self.offer_seconds.weight:
-                return self.offer_tokens.value, self.offer_seconds.value
-            return 1.0, self.plain_step.value
+                offer = self.offer_tokens.value, self.offer_seconds.value
+                # a gate that asks only to probe must not make drafting look better than a one-token plain round
+                if not self.plain_step.weight or offer[0] * single[1] >= offer[1]:
+                    return offer
+            return single
         expected = curve[k] if curve is not None else self.acceptance.expected(k)
         return expected, k * self.draft_step.value + self.verify.predict(k + 1)
 
