@@ -232,8 +232,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
     def affords_build(self, seconds: float, remaining: int | None, draft_share: float | None) -> bool:
         """A build is paid when drafting may repay it: by `probe_pays` once drafting was measured, before that by
-        `may_repay_build`. A declined build's price is kept (its first layer's time, per layer, when nothing was
-        measured), and rounds stay plain."""
+        `may_repay_build`. A declined build's price is kept (the faster of its first two layers' times, per layer, when
+        nothing was measured), and rounds stay plain."""
         self.draft_share = draft_share
         if self.draft_step.weight:
             curve = self.acceptance.expectations(self.high)

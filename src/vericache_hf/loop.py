@@ -483,8 +483,8 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
 
 def build_for_drafting(model, cache: VeriCache, schedule: DraftLengthSchedule, remaining: int | None) -> bool:
     """Build the draft tier for a drafted round, unless the schedule finds it dearer than drafting could save over
-    the `remaining` tokens (None: build). Its price is what the schedule measured, or before any build, the first
-    layer's time per layer. Returns whether it was built."""
+    the `remaining` tokens (None: build). Its price is what the schedule measured, or before any build, the faster
+    of the first two layers' times, per layer (see `VeriCache.build_draft_tier`). Returns whether it was built."""
     started = time.perf_counter()
     afford = partial(schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache))
     price = schedule.build_price

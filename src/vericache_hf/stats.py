@@ -32,8 +32,8 @@ class VeriCacheStats:
     A K/V-only compressor on a layer that reads its full tier in place builds the draft tier when drafting first
     needs it, not at prefill, and plain rounds for a long while free it (`draft_tier_frees`); each build from the
     full tier counts in `draft_tier_builds`, its time in `compress_seconds`. A build the schedule priced from its
-    first layer and found dearer than drafting could ever save is declined (`draft_tier_builds_declined`; that
-    layer's time is in `compress_seconds` too) and the rounds stay plain. `commit_seconds` is the time spent
+    first two layers and found dearer than drafting could ever save is declined (`draft_tier_builds_declined`;
+    their time is in `compress_seconds` too) and the rounds stay plain. `commit_seconds` is the time spent
     writing accepted tokens into the tiers, `plain_round_seconds` the part of draft and verify time spent in rounds
     that drafted nothing.
 
