@@ -255,15 +255,13 @@ class CostAwareDraftLength(DraftLengthSchedule):
         batch 4 it is nearly three quarters, and the build is paid to price drafting."""
         if remaining is None or self.draft_share is None or not self.plain_step.weight:
             return True
-        plain_tokens, plain_seconds = self.price(0)
-        plain_rate = plain_tokens / plain_seconds if plain_seconds > 0 else 0.0
-        step = self.plain_step.value
-        best_rate = (self.high + 1) / (self.high * self.draft_share * step + step)
+        plain_rate = self.plain_rate
         if plain_rate <= 0:
             return True
+        best_rate = (self.high + 1) / ((self.high * self.draft_share + 1) * self.plain_step.value)
         if best_rate <= plain_rate:
             return False
-        return remaining / plain_rate * (1 - plain_rate / best_rate) > build
+        return most_saved(remaining, plain_rate, best_rate) > build
 
     def _next(self, drafted: int, remaining: int | None = None, tier_held: bool = True) -> int:
         if not self.price(0)[1]:
@@ -316,8 +314,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
         barely beat a plain step, a probe cannot pay. `build` prices the build (None: the measured price)."""
         if remaining is None:
             return True
-        plain_tokens, plain_seconds = self.price(0)
-        plain_rate = plain_tokens / plain_seconds if plain_seconds > 0 else 0.0
+        plain_rate = self.plain_rate
         if plain_rate <= 0:
             return True
         factor = self.calibration.factor
@@ -328,20 +325,24 @@ class CostAwareDraftLength(DraftLengthSchedule):
         expected, seconds = self.price(k, curve)
         cost = seconds * factor + (0.0 if tier_held else self.build.value if build is None else build)
         loss = cost - expected / plain_rate
-        most_saved = remaining / plain_rate * (1 - plain_rate / best_rate)
-        return most_saved > loss
+        return most_saved(remaining, plain_rate, best_rate) > loss
+
+    @property
+    def plain_rate(self) -> float:
+        """Tokens per row and second of the next plain round, as `price(0)` prices it (0: not measured)."""
+        tokens, seconds = self.price(0)
+        return tokens / seconds if seconds > 0 else 0.0
 
     def price(self, k: int, curve: list[float] | None = None) -> tuple[float, float]:
         """The model's expected tokens per row, and seconds, of a round that drafts k (uncalibrated); `curve` is
         `acceptance.expectations(...)`, when already computed."""
-        if (
-            not k
-        ):  # a plain round: what the next one will do when it asks for proposals, if that beats one token
+        # a plain round: what the next one will do when it asks for proposals, if that beats one token (a gate that
+        # asks only to probe must not make drafting look better than a one-token plain round)
+        if not k:
             single = 1.0, self.plain_step.value
             if self.offers and self.offer_seconds.weight:
                 offer = self.offer_tokens.value, self.offer_seconds.value
-                # a gate that asks only to probe must not make drafting look better than a one-token plain round
-                if not self.plain_step.weight or offer[0] * single[1] >= offer[1]:
+                if not self.plain_step.weight or offer[0] * single[1] >= offer[1]:  # offer's rate >= single's
                     return offer
             return single
         expected = curve[k] if curve is not None else self.acceptance.expected(k)
@@ -357,6 +358,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
         expected, seconds = self.price(k, curve)
         seconds *= self.calibration.factor if k else 1.0
         return expected / seconds if seconds > 0 else 0.0
+
+
+def most_saved(remaining: int, plain_rate: float, best_rate: float) -> float:
+    """Seconds that rounds at `best_rate` tokens per second save over `remaining` tokens against plain rounds at
+    `plain_rate` (both positive)."""
+    return remaining / plain_rate * (1 - plain_rate / best_rate)
 
 
 class SchedulePriors:

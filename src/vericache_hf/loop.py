@@ -488,7 +488,8 @@ def build_for_drafting(model, cache: VeriCache, schedule: DraftLengthSchedule, r
     started = time.perf_counter()
     afford = partial(schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache))
     price = schedule.build_price
-    built = (price is None or afford(price)) and cache.build_draft_tier(None if price is not None else afford)
+    # unpriced: priced from its first layers as it is built
+    built = cache.build_draft_tier(afford) if price is None else afford(price) and cache.build_draft_tier()
     if built:
         schedule.observe_build(time.perf_counter() - started)
     else:
