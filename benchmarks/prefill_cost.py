@@ -5,10 +5,13 @@ runs the stock prefill and every compressor's once, in an order rotated by one e
 this machine falls on all of them alike; medians after one warm-up round. Whole bench calls minutes apart swing by
 15% here, too much to show a few percent; side by side, one pass at a time, shows it.
 
-A K/V-only compressor on the CPU builds its draft tier when drafting first needs it (`compress_seconds` in decode
-time, and never where every round is plain), so its prefill should cost what a stock one does.
+On the CPU every compressor builds its draft tier when drafting first needs it (`compress_seconds` in decode time,
+priced before it is paid, and never where every round is plain; a query-aware one holds the layer inputs it reads
+until then), so its prefill should cost what a stock one does. `--at-prefill` builds it in the prefill instead, as
+on an accelerator (`stage_on_cpu`), which shows what the build itself costs.
 
     python benchmarks/prefill_cost.py [--repeats 4] [--shapes 1x2048,4x2048] [--compressors snapkv@0.875,...]
+        [--at-prefill]
 """
 
 import argparse
@@ -33,8 +36,8 @@ def stock(model, ids, mask) -> None:
     model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **cache_kwargs(model, DynamicCache()))
 
 
-def vericache(model, ids, mask, name: str, ratio: float) -> None:
-    cache = VeriCache(model.config.num_hidden_layers, build_compressor(name, ratio))
+def vericache(model, ids, mask, name: str, ratio: float, at_prefill: bool) -> None:
+    cache = VeriCache(model.config.num_hidden_layers, build_compressor(name, ratio), stage_on_cpu=at_prefill)
     with cache.prefilling(model, mask):
         model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
 
@@ -44,6 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--shapes", default="1x2048,4x2048", help="batch x prompt tokens, comma separated")
     parser.add_argument("--compressors", default=DEFAULT, help="name@ratio, comma separated")
+    parser.add_argument("--at-prefill", action="store_true", help="build the draft tier in the prefill")
     args = parser.parse_args()
     model = smollm2_shaped()
     config = model.config
@@ -64,7 +68,7 @@ def main() -> None:
                     if compressor is None:
                         stock(model, ids, mask)
                     else:
-                        vericache(model, ids, mask, *compressor)
+                        vericache(model, ids, mask, *compressor, args.at_prefill)
                     if repeat:  # the first round warms up
                         times[name].append(time.perf_counter() - started)
         base = statistics.median(times["stock"])

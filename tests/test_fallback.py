@@ -1,6 +1,6 @@
-"""The fallback when drafting does not pay (issue 24): rounds turn plain, a K/V-only compressor's draft tier is built
-only when a draft first needs it (not at prefill), freed after failed probes, and built again from the full tier by
-the next probe. Output stays equal to stock `generate` through every switch. Each call starts from a prior that says
+"""The fallback when drafting does not pay (issue 24): rounds turn plain, the draft tier is built only when a draft
+first needs it (not at prefill; a query-aware compressor's from the layer inputs held since then), a K/V-only
+compressor's is freed after failed probes and built again from the full tier by the next probe. Output stays equal to stock `generate` through every switch. Each call starts from a prior that says
 plain rounds pay and probes have failed before, as a schedule that measured this on an earlier call would carry (so
 the switches happen at known rounds, not by the clock)."""
 
@@ -13,6 +13,7 @@ import torch
 
 from vericache_hf import VeriCache, VeriCacheConfig, VeriCacheStats
 from vericache_hf.compressors import build_compressor
+from vericache_hf.compressors.h2o import H2OCompressor
 from vericache_hf.compressors.streaming_llm import StreamingLLMCompressor
 from vericache_hf.decoding import _schedule_key
 from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
@@ -87,14 +88,52 @@ def test_a_call_whose_rounds_are_all_plain_never_compresses(model):
     assert stats.plain_rounds == 19 and stats.draft_tier_builds == 0 and stats.compress_seconds == 0
 
 
-def test_a_query_aware_draft_tier_is_kept_through_plain_rounds(llama):
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_a_query_aware_draft_tier_is_built_from_held_layer_inputs_and_kept_through_plain_rounds(llama, method):
     ids = random_prompt(48, seed=4)
     stats = VeriCacheStats()
-    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.5, stats=stats)
+    config = VeriCacheConfig(compressor=method, compression_ratio=0.5, stats=stats)
     remember_plain_pays(llama, config, ids)
     assert torch.equal(vericache(llama, ids, config), stock(llama, ids))
     assert stats.plain_rounds >= 64 and stats.rounds >= 1
-    assert stats.draft_tier_frees == stats.draft_tier_builds == 0
+    # built once, by the first probe, from the layer inputs held since the prefill; never freed (no rebuild)
+    assert stats.draft_tier_builds == 1 and stats.draft_tier_frees == 0
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, method):
+    ids = torch.cat([random_prompt(40, seed=9), random_prompt(40, seed=10)])
+    valid = torch.ones_like(ids)
+    valid[1, :7] = 0  # a left-padded row
+    compressor = build_compressor(method, 0.5)
+    at_prefill = VeriCache(llama.config.num_hidden_layers, compressor, stage_on_cpu=True)
+    deferred = VeriCache(llama.config.num_hidden_layers, compressor)
+    for cache in (at_prefill, deferred):
+        with cache.prefilling(llama, valid):
+            llama(ids, attention_mask=valid, past_key_values=cache, use_cache=True)
+    assert at_prefill.draft_tier_held and not deferred.draft_tier_held and deferred.stats.compress_seconds == 0
+    held = deferred._held[0].hidden_states.shape[1]
+    assert held == (32 if method == "snapkv" else 40)  # SnapKV holds its observation window's inputs only
+    deferred.build_draft_tier()
+    assert deferred.draft_tier_held and not deferred._held  # the inputs are let go once used
+    for built, reference in zip(deferred.layers, at_prefill.layers, strict=True):
+        for name, tensor in reference.draft.export().items():
+            assert torch.equal(built.draft.export()[name], tensor), name
+    at_prefill.close()
+    deferred.close()
+
+
+def test_a_declined_query_aware_build_releases_its_layer_inputs(llama):
+    ids = random_prompt(24, seed=11)
+    cache = VeriCache(llama.config.num_hidden_layers, build_compressor("h2o", 0.5))
+    with cache.prefilling(llama, torch.ones_like(ids)):
+        llama(ids, past_key_values=cache, use_cache=True)
+    assert cache.draft_tier_buildable
+    assert not cache.build_draft_tier(lambda seconds: False)
+    assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
+    with pytest.raises(RuntimeError, match="released when one was declined"):
+        cache.build_draft_tier()
+    cache.close()
 
 
 def test_the_draft_tier_is_built_after_the_prefill_and_rebuilt_after_a_free(llama):
@@ -141,12 +180,21 @@ class SlowBuild(StreamingLLMCompressor):
         return super().compress(keys, values, context)
 
 
-def test_a_build_drafting_could_never_repay_is_declined_after_its_first_layers(monkeypatch):
+class SlowH2O(H2OCompressor):
+    """H2O, as slow as `SlowBuild`: a query-aware build, from the layer inputs held since the prefill."""
+
+    def compress(self, keys, values, context):
+        time.sleep(0.2)
+        return super().compress(keys, values, context)
+
+
+@pytest.mark.parametrize("slow", [SlowBuild, SlowH2O])
+def test_a_build_drafting_could_never_repay_is_declined_after_its_first_layers(monkeypatch, slow):
     monkeypatch.undo()  # no probe is forced: no probe should come
     model = tiny_model("llama", num_hidden_layers=4)
     ids = random_prompt(40, seed=8)
     stats = VeriCacheStats()
-    config = VeriCacheConfig(compressor=SlowBuild(compression_ratio=0.5), stats=stats)
+    config = VeriCacheConfig(compressor=slow(compression_ratio=0.5), stats=stats)
     # no prior: two plain rounds, then the round that would price drafting builds two layers, prices the whole build
     # from them (four layers: 0.8 s) and declines it; every round is plain and the output is stock's
     assert torch.equal(vericache(model, ids, config, new=30), stock(model, ids, new=30))
@@ -155,7 +203,7 @@ def test_a_build_drafting_could_never_repay_is_declined_after_its_first_layers(m
     assert 0.4 <= stats.compress_seconds < 0.6  # two layers were built, then dropped
     # the next call on the same settings declines from the remembered price, building nothing
     again = VeriCacheStats()
-    config = VeriCacheConfig(compressor=SlowBuild(compression_ratio=0.5), stats=again)
+    config = VeriCacheConfig(compressor=slow(compression_ratio=0.5), stats=again)
     assert torch.equal(vericache(model, ids, config, new=30), stock(model, ids, new=30))
     assert again.draft_tier_builds == 0 and again.draft_tier_builds_declined == 1
     assert again.compress_seconds == 0 and again.drafted_tokens == 0

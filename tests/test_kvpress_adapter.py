@@ -66,7 +66,8 @@ def test_left_padded_batch_and_budget(llama):
     expected = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     press = KVPressCompressor(press=kvpress.SnapKVPress(window_size=4), budget=10)
     assert torch.equal(run(llama, ids, press, attention_mask=mask, max_new_tokens=20).sequences, expected)
-    config = VeriCacheConfig(compressor=kvpress.KnormPress(0.5), compression_budget=9)
+    # built in the prefill, as on an accelerator (on the CPU, a draft that needs it would build it)
+    config = VeriCacheConfig(compressor=kvpress.KnormPress(0.5), compression_budget=9, stage_on_cpu=True)
     out = llama.generate(
         ids,
         attention_mask=mask,

@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache.rows import can_share_rows
+from .cache.rows import build_carried_tier, can_share_rows
 from .cache.vericache import VeriCache
 from .cohort import Member
 from .compat import CACHE_OUTPUT_FIELD
@@ -126,6 +126,8 @@ def generate(
             )
             if cohorts is not None and state.pending.dim() == 2:  # a stored prefix: the suffix's round
                 run_round(model, cache, state, io, schedule)  # (its first token, and the full prefix in)
+        if cohorts is not None and any(state.seqs.unfinished):
+            build_carried_tier(cache)
         if cohorts is not None and any(state.seqs.unfinished) and can_share_rows(cache):
             member = Member(cache, state, io, config, (io.do_sample, repr(config)))
             cache = None  # the cohort owns it now: it joins the cohort's, or becomes it

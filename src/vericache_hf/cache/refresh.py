@@ -8,7 +8,8 @@ through the transfer engine, one layer on the device at a time) plus one compres
 
 Only compressors that work from K/V alone can refresh (`needs_hidden_states` False: StreamingLLM, KNorm, the
 quantizers, compositions of these); query-aware methods (SnapKV, H2O, kvpress presses) need the prompt's hidden
-states, which are gone after prefill. One case gets them later: a prompt whose prefix came from a prefix store,
+states, which a prefill on the CPU holds only until the draft tier's one deferred build (`compress_prompt`), and
+which are otherwise gone after prefill. One case gets them later: a prompt whose prefix came from a prefix store,
 whose draft tier was scored by the prefix's own last queries. Its first verify pass computes the suffix's layer
 inputs exactly, and `rescore_draft_tier` builds the draft tier a prefill of the whole prompt would have.
 """
@@ -73,20 +74,28 @@ def rescore_draft_tier(
 
     Call between rounds, as `refresh_draft_tier`."""
     for layer in cache.layers:
-        keys, values = cache.layer_full_tier(layer.layer_idx)
-        started = time.perf_counter()
-        layer.draft = cache.compressor.compress(
-            keys[:, :, :prompt_length].to(layer.dtype),
-            values[:, :, :prompt_length].to(layer.dtype),
-            _first_positions(contexts[layer.layer_idx], suffix_length, cache.full_valid[:, :prompt_length]),
+        context = _first_positions(contexts[layer.layer_idx], suffix_length, cache.full_valid[:, :prompt_length])
+        compress_prompt(cache, layer, context, prompt_length)
+
+
+def compress_prompt(cache, layer, context: CompressionContext, prompt_length: int) -> float:
+    """Build one layer's draft tier from its full tier as a prefill would have: the first `prompt_length` tokens
+    compressed with the prompt's layer input `context`, the tokens committed since appended whole. Returns the
+    seconds it took."""
+    keys, values = cache.layer_full_tier(layer.layer_idx)
+    started = time.perf_counter()
+    layer.draft = cache.compressor.compress(
+        keys[:, :, :prompt_length].to(layer.dtype), values[:, :, :prompt_length].to(layer.dtype), context
+    )
+    if keys.shape[-2] > prompt_length:
+        layer.draft.commit(
+            keys[:, :, prompt_length:].to(layer.dtype),
+            values[:, :, prompt_length:].to(layer.dtype),
+            cache.full_valid[:, prompt_length:].to(layer.device),
         )
-        if keys.shape[-2] > prompt_length:
-            layer.draft.commit(
-                keys[:, :, prompt_length:].to(layer.dtype),
-                values[:, :, prompt_length:].to(layer.dtype),
-                cache.full_valid[:, prompt_length:].to(layer.device),
-            )
-        cache.stats.compress_seconds += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    cache.stats.compress_seconds += seconds
+    return seconds
 
 
 def _first_positions(context: CompressionContext, width: int, valid) -> CompressionContext:

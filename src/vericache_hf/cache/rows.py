@@ -6,7 +6,7 @@ is written after the stored ones, each padded with masked slots to the longer le
 masked slot never shifts a row's rotary phase), and rows that stay are moved up over the ones that leave. The draft
 tier of a compressor that works from K/V alone is left to be rebuilt from the new full tier
 (`build_draft_tier`, the next time drafting needs it); a query-aware compressor's token-dropped tier is carried over
-through its `export`/`restore`, since it cannot be rebuilt. Call them between rounds only: no pass in flight, no
+through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first, `build_carried_tier`). Call them between rounds only: no pass in flight, no
 drafts, no pending tokens.
 """
 
@@ -25,6 +25,13 @@ def can_share_rows(cache: VeriCache) -> bool:
     if cache.draft_tier_rebuildable:
         return True
     return cache.compressor.restorable and all(type(layer.draft) is TokenStore for layer in cache.layers)
+
+
+def build_carried_tier(cache: VeriCache) -> None:
+    """Build a query-aware compressor's deferred draft tier now (`VeriCache.defers_compression`): rows carry it over
+    through `restore` and could not build it once they move. Call before a cache's rows join a cohort."""
+    if not cache.draft_tier_rebuildable and not cache.draft_tier_held and cache.draft_tier_buildable:
+        cache.build_draft_tier()
 
 
 def join(cache: VeriCache, others: list[VeriCache]) -> None:
@@ -81,6 +88,7 @@ def copy_row(cache: VeriCache, row: int) -> VeriCache:
 def _check_between_rounds(cache: VeriCache) -> None:
     if cache.phase != "idle" or cache.full_tier_loading or any(layer.pending for layer in cache.layers):
         raise RuntimeError("rows join or leave a VeriCache between rounds only (no pass or load in flight).")
+    build_carried_tier(cache)
     if not can_share_rows(cache):
         raise ValueError(
             f"{type(cache.compressor).__name__}'s draft tier can neither be rebuilt from the full tier nor carried "

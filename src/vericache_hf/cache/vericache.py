@@ -3,8 +3,9 @@ on the host), driven through explicit phases. Each phase is a context manager th
 exit, error included; nothing outside this class writes the phase.
 
 - `prefilling(model, valid)`: the prompt's exact K/V go to the full tier and the compressor builds the draft tier
-  from them (with each layer's input captured, for compressors that score with queries), or, for a K/V-only
-  compressor on a layer that reads its full tier in place, leaves that to `build_draft_tier` when drafting starts;
+  from them (with each layer's input captured, for compressors that score with queries), or, on a layer that reads
+  its full tier in place, leaves that to `build_draft_tier` when drafting starts (holding the layer inputs a
+  query-aware compressor reads until then);
 - `drafting(k)`: drafted tokens go after the draft tier's committed slots; the full tier starts streaming to the
   device for the next verify pass; on exit the drafts are rolled back (the draft tier holds only committed tokens);
 - `verifying()`: attention reads the whole full tier, then the new tokens, whose exact K/V are kept as pending;
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -39,7 +41,7 @@ from .capture import LayerInputCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
-from .refresh import RefreshPolicy, check_refreshable, refresh_draft_layer
+from .refresh import RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
 from .transfer import LayerTransfer, TransferEngine
 
 #: Tokens a staging buffer leaves free after the full tier when no draft length was announced.
@@ -106,9 +108,12 @@ class VeriCacheLayer(CacheLayerMixin):
                 if self.reads_in_place
                 else (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
             )
-        if owner.defers_compression(self):
-            return keys, values  # `build_draft_tier` compresses these very K/V when drafting first needs them
-        context = owner.captured(self.layer_idx) or CompressionContext(self.layer_idx, owner.prompt_valid)
+        captured = owner.captured(self.layer_idx)
+        if owner.defers_compression(self):  # `build_draft_tier` compresses these very K/V when drafting needs them
+            if captured is not None:
+                owner.hold_layer_input(captured)
+            return keys, values
+        context = captured or CompressionContext(self.layer_idx, owner.prompt_valid)
         started = time.perf_counter()
         self.draft = owner.compressor.compress(keys, values, context)
         owner.stats.compress_seconds += time.perf_counter() - started
@@ -199,6 +204,7 @@ class VeriCache(Cache):
         self.prompt_valid: torch.Tensor | None = None
         self.full_valid: torch.Tensor | None = None
         self._capture: LayerInputCapture | None = None
+        self._held: dict[int, CompressionContext] = {}  # layer inputs a deferred query-aware build reads
         self._round: dict[int, LayerTransfer] | None = None  # the next verify pass's transfers, by layer
         self._staged: list[LayerTransfer] = []  # transfers the running verify pass has read
         self._draft_valid: torch.Tensor | None = None  # (B, drafted slots marked by `keep_drafted`)
@@ -323,11 +329,31 @@ class VeriCache(Cache):
         return self._capture.pop(layer_idx) if self._capture is not None else None
 
     def defers_compression(self, layer: VeriCacheLayer) -> bool:
-        """Whether the prefill leaves this layer's draft tier to `build_draft_tier`: a K/V-only compressor on a layer
-        that reads its full tier in place compresses the same K/V later at no transfer cost. The first token then
-        does not wait for compression, and a call whose rounds are all plain never compresses. On an accelerator
-        the prompt's K/V are compressed while they are on the device, as before."""
-        return self.draft_tier_rebuildable and layer.reads_in_place
+        """Whether the prefill leaves this layer's draft tier to `build_draft_tier`: a layer that reads its full
+        tier in place compresses the same K/V later at no transfer cost. The first token then does not wait for
+        compression (H2O's scoring costs about two more attention passes of the prompt), and a call whose rounds
+        are all plain never compresses. A query-aware compressor's layer inputs are held until then (the last
+        `queries_read` of them), unless a stored prefix seeded the prompt: its queries are the suffix's alone. On
+        an accelerator the prompt's K/V are compressed while they are on the device, as before."""
+        return layer.reads_in_place and (self.draft_tier_rebuildable or not self.seeded_tokens)
+
+    def hold_layer_input(self, context: CompressionContext) -> None:
+        """Keep a deferred layer's captured input for `build_draft_tier`: its last `queries_read` positions, or all
+        of them (H2O reads every prompt query: about the full tier's size again, held until the build is paid or
+        declined)."""
+        window = self.compressor.queries_read
+        if window is not None and window < context.hidden_states.shape[1]:
+            kwargs = dict(context.attention_kwargs)
+            cos, sin = kwargs["position_embeddings"]
+            kwargs["position_embeddings"] = (cos[:, -window:], sin[:, -window:])
+            context = replace(context, hidden_states=context.hidden_states[:, -window:], attention_kwargs=kwargs)
+        self._held[context.layer_idx] = context
+
+    @property
+    def draft_tier_buildable(self) -> bool:
+        """Whether `build_draft_tier` can build the draft tier now: from the full tier alone, or with the layer
+        inputs held since the prefill (a query-aware build declined once has released them)."""
+        return self.draft_tier_rebuildable or len(self._held) == len(self.layers)
 
     @property
     def draft_tier_held(self) -> bool:
@@ -358,18 +384,32 @@ class VeriCache(Cache):
         one's time per layer (the first pays one-off costs: KIVI's took 0.29 s of a 1.2k-token prompt, the next
         a few ms), is worth paying; when not, they are dropped again and nothing more is built (a build can cost
         more than a whole answer's drafting could save: HQQ's takes about a prefill's time on a CPU). Returns
-        whether the draft tier was built."""
-        check_refreshable(self.compressor)
+        whether the draft tier was built. A query-aware compressor builds from the layer inputs held since the
+        prefill (`hold_layer_input`), which a build uses up and a refusal releases: its tier is then never built."""
+        if not self.draft_tier_buildable:
+            raise RuntimeError(
+                f"{type(self.compressor).__name__} scores tokens with the prompt's layer inputs, and none are held "
+                "(they were used by an earlier build, or released when one was declined): its draft tier cannot be "
+                "built again. Rebuilding needs a K/V-only compressor (streaming_llm, knorm, kivi, ...)."
+            )
         priced, rest = self.layers[:2], self.layers[2:]
-        seconds = min(refresh_draft_layer(self, layer) for layer in priced)
+        seconds = min(self._build_layer(layer) for layer in priced)
         if afford is not None and not afford(seconds * len(self.layers)):
             for layer in priced:
                 layer.draft = None
+            self._held.clear()
             return False
         for layer in rest:
-            refresh_draft_layer(self, layer)
+            self._build_layer(layer)
+        self._held.clear()
         self.stats.draft_tier_builds += 1
         return True
+
+    def _build_layer(self, layer: VeriCacheLayer) -> float:
+        held = self._held.get(layer.layer_idx)
+        if held is None:
+            return refresh_draft_layer(self, layer)
+        return compress_prompt(self, layer, held, self.prompt_valid.shape[-1])
 
     @contextmanager
     def drafting(self, draft_length: int) -> Iterator[None]:
@@ -525,6 +565,7 @@ class VeriCache(Cache):
         """Drop pending transfers (the cache stays readable); a private engine's worker then exits."""
         self.end_round()
         self.transfers.cancel(self)
+        self._held.clear()
 
     def _stale(self) -> bool:
         return any(transfer.tokens != self.layers[i].full.length for i, transfer in self._round.items())
