@@ -89,7 +89,9 @@ def test_a_call_whose_rounds_are_all_plain_never_compresses(model):
 
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o"])
-def test_a_query_aware_draft_tier_is_built_from_held_layer_inputs_and_kept_through_plain_rounds(llama, method):
+def test_a_query_aware_draft_tier_is_built_from_held_layer_inputs_and_kept_through_plain_rounds(
+    llama, method
+):
     ids = random_prompt(48, seed=4)
     stats = VeriCacheStats()
     config = VeriCacheConfig(compressor=method, compression_ratio=0.5, stats=stats)
@@ -111,7 +113,9 @@ def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, meth
     for cache in (at_prefill, deferred):
         with cache.prefilling(llama, valid):
             llama(ids, attention_mask=valid, past_key_values=cache, use_cache=True)
-    assert at_prefill.draft_tier_held and not deferred.draft_tier_held and deferred.stats.compress_seconds == 0
+    assert (
+        at_prefill.draft_tier_held and not deferred.draft_tier_held and deferred.stats.compress_seconds == 0
+    )
     held = deferred._held[0].hidden_states.shape[1]
     assert held == (32 if method == "snapkv" else 40)  # SnapKV holds its observation window's inputs only
     deferred.build_draft_tier()

@@ -74,7 +74,9 @@ def rescore_draft_tier(
 
     Call between rounds, as `refresh_draft_tier`."""
     for layer in cache.layers:
-        context = _first_positions(contexts[layer.layer_idx], suffix_length, cache.full_valid[:, :prompt_length])
+        context = _first_positions(
+            contexts[layer.layer_idx], suffix_length, cache.full_valid[:, :prompt_length]
+        )
         compress_prompt(cache, layer, context, prompt_length)
 
 

@@ -109,7 +109,9 @@ class VeriCacheLayer(CacheLayerMixin):
                 else (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
             )
         captured = owner.captured(self.layer_idx)
-        if owner.defers_compression(self):  # `build_draft_tier` compresses these very K/V when drafting needs them
+        if owner.defers_compression(
+            self
+        ):  # `build_draft_tier` compresses these very K/V when drafting needs them
             if captured is not None:
                 owner.hold_layer_input(captured)
             return keys, values
@@ -346,7 +348,9 @@ class VeriCache(Cache):
             kwargs = dict(context.attention_kwargs)
             cos, sin = kwargs["position_embeddings"]
             kwargs["position_embeddings"] = (cos[:, -window:], sin[:, -window:])
-            context = replace(context, hidden_states=context.hidden_states[:, -window:], attention_kwargs=kwargs)
+            context = replace(
+                context, hidden_states=context.hidden_states[:, -window:], attention_kwargs=kwargs
+            )
         self._held[context.layer_idx] = context
 
     @property
