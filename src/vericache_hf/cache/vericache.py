@@ -348,9 +348,9 @@ class VeriCache(Cache):
             kwargs = dict(context.attention_kwargs)
             cos, sin = kwargs["position_embeddings"]
             kwargs["position_embeddings"] = (cos[:, -window:], sin[:, -window:])
-            context = replace(
-                context, hidden_states=context.hidden_states[:, -window:], attention_kwargs=kwargs
-            )
+            # a copy: a view would keep the whole (B, T, hidden) input alive
+            hidden = context.hidden_states[:, -window:].clone()
+            context = replace(context, hidden_states=hidden, attention_kwargs=kwargs)
         self._held[context.layer_idx] = context
 
     @property
