@@ -341,8 +341,8 @@ class VeriCache(Cache):
 
     def hold_layer_input(self, context: CompressionContext) -> None:
         """Keep a deferred layer's captured input for `build_draft_tier`: its last `queries_read` positions, or all
-        of them (H2O reads every prompt query: about the full tier's size again, held until the build is paid or
-        declined)."""
+        of them (H2O reads every prompt query: hidden size / (2 x K/V width) times the full tier, 1.5x for
+        SmolLM2-135M, held until the build is paid or declined, or the call ends)."""
         window = self.compressor.queries_read
         if window is not None and window < context.hidden_states.shape[1]:
             kwargs = dict(context.attention_kwargs)
