@@ -33,6 +33,15 @@ def remember_plain_pays(model, config: VeriCacheConfig, ids: torch.Tensor) -> No
     PRIORS.remember(model, _schedule_key(config, ids, None), schedule)
 
 
+def prefilled(model, ids, method: str, mask=None, **settings) -> VeriCache:
+    """A VeriCache holding `ids`'s prefill (ratio 0.5): the full tier, and the draft tier unless it was deferred."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    cache = VeriCache(model.config.num_hidden_layers, build_compressor(method, 0.5), **settings)
+    with cache.prefilling(model, mask):
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return cache
+
+
 @pytest.fixture(autouse=True)
 def probes_are_due(monkeypatch):
     """Every due probe runs, and no round drafts but a probe: whether one can pay, and whether drafting leads after a
@@ -107,12 +116,8 @@ def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, meth
     ids = torch.cat([random_prompt(40, seed=9), random_prompt(40, seed=10)])
     valid = torch.ones_like(ids)
     valid[1, :7] = 0  # a left-padded row
-    compressor = build_compressor(method, 0.5)
-    at_prefill = VeriCache(llama.config.num_hidden_layers, compressor, stage_on_cpu=True)
-    deferred = VeriCache(llama.config.num_hidden_layers, compressor)
-    for cache in (at_prefill, deferred):
-        with cache.prefilling(llama, valid):
-            llama(ids, attention_mask=valid, past_key_values=cache, use_cache=True)
+    at_prefill = prefilled(llama, ids, method, valid, stage_on_cpu=True)
+    deferred = prefilled(llama, ids, method, valid)
     assert (
         at_prefill.draft_tier_held and not deferred.draft_tier_held and deferred.stats.compress_seconds == 0
     )
@@ -129,9 +134,7 @@ def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, meth
 
 def test_a_declined_query_aware_build_releases_its_layer_inputs(llama):
     ids = random_prompt(24, seed=11)
-    cache = VeriCache(llama.config.num_hidden_layers, build_compressor("h2o", 0.5))
-    with cache.prefilling(llama, torch.ones_like(ids)):
-        llama(ids, past_key_values=cache, use_cache=True)
+    cache = prefilled(llama, ids, "h2o")
     assert cache.draft_tier_buildable
     assert not cache.build_draft_tier(lambda seconds: False)
     assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
@@ -142,9 +145,7 @@ def test_a_declined_query_aware_build_releases_its_layer_inputs(llama):
 
 def test_the_draft_tier_is_built_after_the_prefill_and_rebuilt_after_a_free(llama):
     ids = random_prompt(20, seed=5)
-    cache = VeriCache(llama.config.num_hidden_layers, build_compressor("streaming_llm", 0.5))
-    with cache.prefilling(llama, torch.ones_like(ids)):
-        llama(ids, past_key_values=cache, use_cache=True)
+    cache = prefilled(llama, ids, "streaming_llm")
     assert (
         not cache.draft_tier_held and cache.stats.compress_seconds == 0
     )  # deferred: the layers are on the CPU
@@ -160,14 +161,9 @@ def test_the_draft_tier_is_built_after_the_prefill_and_rebuilt_after_a_free(llam
     cache.build_draft_tier()
     assert cache.draft_tier_held and cache.draft_tier_bytes() == held and cache.stats.draft_tier_builds == 2
 
-    staged = VeriCache(
-        llama.config.num_hidden_layers, build_compressor("streaming_llm", 0.5), stage_on_cpu=True
-    )
-    with staged.prefilling(llama, torch.ones_like(ids)):
-        llama(ids, past_key_values=staged, use_cache=True)
-    assert (
-        staged.draft_tier_held
-    )  # the full tier is copied out for passes, as on an accelerator: compress now
+    # the full tier is copied out for passes, as on an accelerator: compress now
+    staged = prefilled(llama, ids, "streaming_llm", stage_on_cpu=True)
+    assert staged.draft_tier_held
     staged.close()
 
     query_aware = VeriCache(llama.config.num_hidden_layers, build_compressor("snapkv", 0.5))

@@ -126,9 +126,10 @@ def generate(
             )
             if cohorts is not None and state.pending.dim() == 2:  # a stored prefix: the suffix's round
                 run_round(model, cache, state, io, schedule)  # (its first token, and the full prefix in)
-        if cohorts is not None and any(state.seqs.unfinished):
-            build_carried_tier(cache)
-        if cohorts is not None and any(state.seqs.unfinished) and can_share_rows(cache):
+        shares = cohorts is not None and any(state.seqs.unfinished)
+        if shares:
+            build_carried_tier(cache)  # a query-aware tier is carried into the cohort, not rebuilt there
+        if shares and can_share_rows(cache):
             member = Member(cache, state, io, config, (io.do_sample, repr(config)))
             cache = None  # the cohort owns it now: it joins the cohort's, or becomes it
             seqs = cohorts.decode(member)

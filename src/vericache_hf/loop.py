@@ -457,10 +457,9 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     # draft on while the full prefix loads
     most = min(schedule.high, turn.room - 1) if turn.loading else turn.k
     if most and not cache.draft_tier_held:  # the first draft after a deferring prefill, or after a free
-        buildable = cache.draft_tier_buildable  # not after a query-aware build was declined
-        if not buildable or not build_for_drafting(
-            model, cache, schedule, None if turn.loading else turn.room
-        ):
+        remaining = None if turn.loading else turn.room
+        # a query-aware tier whose build was declined cannot be built again: its rounds stay plain
+        if not cache.draft_tier_buildable or not build_for_drafting(model, cache, schedule, remaining):
             most = turn.k = 0  # drafting could not repay the build: the round turns plain
         started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
     # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does

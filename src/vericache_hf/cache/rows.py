@@ -6,8 +6,8 @@ is written after the stored ones, each padded with masked slots to the longer le
 masked slot never shifts a row's rotary phase), and rows that stay are moved up over the ones that leave. The draft
 tier of a compressor that works from K/V alone is left to be rebuilt from the new full tier
 (`build_draft_tier`, the next time drafting needs it); a query-aware compressor's token-dropped tier is carried over
-through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first, `build_carried_tier`). Call them between rounds only: no pass in flight, no
-drafts, no pending tokens.
+through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first, `build_carried_tier`).
+Call them between rounds only: no pass in flight, no drafts, no pending tokens.
 """
 
 from __future__ import annotations

@@ -109,9 +109,8 @@ class VeriCacheLayer(CacheLayerMixin):
                 else (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
             )
         captured = owner.captured(self.layer_idx)
-        if owner.defers_compression(
-            self
-        ):  # `build_draft_tier` compresses these very K/V when drafting needs them
+        if owner.defers_compression(self):
+            # `build_draft_tier` compresses these very K/V (with the held input) when drafting needs them
             if captured is not None:
                 owner.hold_layer_input(captured)
             return keys, values
