@@ -4,7 +4,7 @@ cache depends only on this file, never on a particular method."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +28,13 @@ class CompressionContext:
     module: nn.Module | None = None
     hidden_states: torch.Tensor | None = None
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def at_positions(self, index: slice) -> CompressionContext:
+        """This context cut to the pass positions `index`: its hidden states and rotary embeddings (views)."""
+        kwargs = dict(self.attention_kwargs)
+        cos, sin = kwargs["position_embeddings"]
+        kwargs["position_embeddings"] = (cos[:, index], sin[:, index])
+        return replace(self, hidden_states=self.hidden_states[:, index], attention_kwargs=kwargs)
 
 
 class Compressor(ABC):

@@ -74,10 +74,10 @@ def rescore_draft_tier(
 
     Call between rounds, as `refresh_draft_tier`."""
     for layer in cache.layers:
-        context = _first_positions(
-            contexts[layer.layer_idx], suffix_length, cache.full_valid[:, :prompt_length]
-        )
-        compress_prompt(cache, layer, context, prompt_length)
+        # the pass's first `suffix_length` positions are the prompt's last tokens
+        context = contexts[layer.layer_idx].at_positions(slice(0, suffix_length))
+        valid = cache.full_valid[:, :prompt_length].to(context.hidden_states.device)
+        compress_prompt(cache, layer, replace(context, valid=valid), prompt_length)
 
 
 def compress_prompt(cache, layer, context: CompressionContext, prompt_length: int) -> float:
@@ -98,19 +98,6 @@ def compress_prompt(cache, layer, context: CompressionContext, prompt_length: in
     seconds = time.perf_counter() - started
     cache.stats.compress_seconds += seconds
     return seconds
-
-
-def _first_positions(context: CompressionContext, width: int, valid) -> CompressionContext:
-    """`context` cut to its pass's first `width` positions (the prompt's last tokens), over the prompt's `valid`."""
-    kwargs = dict(context.attention_kwargs)
-    cos, sin = kwargs["position_embeddings"]
-    kwargs["position_embeddings"] = (cos[:, :width], sin[:, :width])
-    return replace(
-        context,
-        valid=valid.to(context.hidden_states.device),
-        hidden_states=context.hidden_states[:, :width],
-        attention_kwargs=kwargs,
-    )
 
 
 @dataclass

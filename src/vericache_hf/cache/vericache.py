@@ -344,12 +344,9 @@ class VeriCache(Cache):
         SmolLM2-135M, held until the build is paid or declined, or the call ends)."""
         window = self.compressor.queries_read
         if window is not None and window < context.hidden_states.shape[1]:
-            kwargs = dict(context.attention_kwargs)
-            cos, sin = kwargs["position_embeddings"]
-            kwargs["position_embeddings"] = (cos[:, -window:], sin[:, -window:])
+            context = context.at_positions(slice(-window, None))
             # a copy: a view would keep the whole (B, T, hidden) input alive
-            hidden = context.hidden_states[:, -window:].clone()
-            context = replace(context, hidden_states=hidden, attention_kwargs=kwargs)
+            context = replace(context, hidden_states=context.hidden_states.clone())
         self._held[context.layer_idx] = context
 
     @property
