@@ -242,3 +242,29 @@ def test_h2o_accumulates_each_keys_attention_over_the_later_real_queries(path):
     assert scores.shape == (2, 2, 37)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
     assert torch.equal(scores[1, :, :5], torch.zeros(2, 5))  # padding keys get nothing
+
+
+def test_snapkv_averages_each_keys_attention_over_the_window_s_real_queries():
+    """SnapKV's grouped, in-place scoring gives the definition's numbers: each key's causal softmax weight from the
+    last w queries, averaged over the real ones and the query heads of its KV head, from the whole attention matrix.
+    A left-padded batch whose second row is padding for part of the window, and a row of padding only there."""
+    from vericache_hf.compressors.snapkv import window_attention  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    length, window = 37, 8
+    queries, keys = 2 * torch.randn(3, 6, length, 16, dtype=torch.float64), 2 * torch.randn(3, 2, length, 16)
+    keys = keys.double()
+    valid = torch.ones(3, length, dtype=torch.bool)
+    valid[1, :32] = False  # 5 real tokens: 3 of the window's queries are padding
+    valid[2, :5] = False
+    scores = window_attention(queries[:, :, -window:], keys, valid, 0.25)
+    (batch, heads, _, _), kv_heads = queries.shape, keys.shape[1]
+    allowed = torch.ones(length, length, dtype=torch.bool).tril() & valid[:, None, None, :]
+    logits = queries @ keys.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) * 0.25
+    weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)[:, :, -window:]
+    real = valid[:, -window:]
+    expected = torch.stack([weights[row][:, real[row]].mean(1) for row in range(batch)])  # (B, H_q, T)
+    expected = expected.view(batch, kv_heads, -1, length).mean(2)
+    assert scores.shape == (3, 2, length)
+    torch.testing.assert_close(scores, expected)
+    assert torch.equal(scores[1, :, :32], torch.zeros(2, 32))  # padding keys get nothing
