@@ -95,7 +95,7 @@ def test_a_call_s_first_round_is_not_timed():
     is followed by a second plain round that prices plain rounds: drafting is tried once and plain rounds win."""
     schedule = CostAwareDraftLength(VeriCacheConfig())
     lengths = run_plain_prices(schedule, 100, 0.025, [0.05, 0.025], lambda w: 0.02 + 0.002 * w)
-    assert lengths[:4] == [0, 0, 8, 0]
+    assert lengths[:4] == [0, 0, CostAwareDraftLength.PROBE_LENGTH, 0]
     assert sum(k > 0 for k in lengths) < 0.05 * len(lengths)  # the first draft, then only probes
 
 
@@ -181,9 +181,13 @@ def test_cost_aware_returns_to_drafting_when_a_probe_runs_through():
 
 
 def test_cost_aware_prices_plain_then_drafting_before_choosing():
-    # the call's first round is not timed: a second plain round prices plain rounds
+    # the call's first round is not timed: a second plain round prices plain rounds; drafting is priced by a
+    # probe's length, not `draft_length` (a call where drafting does not pay loses less finding out), and where
+    # every draft is accepted the next drafted round goes past it at once
     schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
-    assert drive(schedule, 3, 10_000, draft_step=0.01, verify_base=0.1)[:3] == [0, 0, 8]
+    lengths = drive(schedule, 4, 10_000, draft_step=0.01, verify_base=0.1)
+    assert lengths[:3] == [0, 0, CostAwareDraftLength.PROBE_LENGTH]
+    assert lengths[3] > CostAwareDraftLength.PROBE_LENGTH
 
 
 def test_a_plain_round_is_priced_by_plain_rounds_not_by_wider_passes():
@@ -429,7 +433,9 @@ def test_a_build_drafting_could_never_repay_is_declined_and_remembered():
     # ever save over 126 tokens (about 1.4 s), and KIVI's (0.14 s) does not.
     schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
     two_plain_rounds(schedule, 0.078)
-    assert schedule.current == 8 and schedule.build_price is None  # drafting is priced next...
+    assert (
+        schedule.current == CostAwareDraftLength.PROBE_LENGTH and schedule.build_price is None
+    )  # priced next...
     assert schedule.affords_build(0.14, remaining=126, draft_share=0.85)
     assert not schedule.affords_build(4.5, remaining=126, draft_share=0.85)  # ...unless its build is dearer
     assert schedule.current == 0 and schedule.build_price == 4.5

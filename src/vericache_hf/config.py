@@ -23,7 +23,9 @@ class VeriCacheConfig:
         compression_budget: tokens kept per layer by a token-dropping compressor given by name (or a press),
             instead of the ratio. None uses the ratio.
         compressor_kwargs: extra arguments for a compressor given by name (e.g. `{"bits": 2}` for `"kivi"`).
-        draft_length: tokens drafted in the first round; with the fixed schedule, in every round.
+        draft_length: tokens drafted in the first round; with the fixed schedule, in every round. cost_aware
+            drafts at most 4 in its first drafted round, as its probes do: it drafts to price drafting, and a call
+            where drafting does not pay should lose little finding out.
         draft_schedule: how the draft length changes from round to round (never the output, only the speed).
             `"cost_aware"` times draft steps and verify passes as it goes and drafts the length with the most
             expected tokens per second, which is 0 (a plain full-cache step) when drafting does not pay, as on a

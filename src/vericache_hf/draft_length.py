@@ -107,7 +107,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
     waits for (`bounding_rows`).
 
     With nothing measured yet, the first two rounds are plain (they cost what stock steps cost, and the second
-    prices k = 0) and the third drafts `draft_length` (it prices drafting); the fourth is chosen from both. Given a
+    prices k = 0) and the third drafts `draft_length`, at most a probe's length (it prices drafting); the fourth is
+    chosen from both. Given a
     `prior` (what earlier calls on the same model and settings measured, see `SchedulePriors`), the first round is
     chosen from it.
     """
@@ -145,7 +146,9 @@ class CostAwareDraftLength(DraftLengthSchedule):
     ) -> None:
         super().__init__(config)
         self.plain_gate = plain_gate
-        self.first_length = config.draft_length
+        # the round that first prices drafting is a probe, no longer: where drafting does not pay (KNorm keeping
+        # 1.8 of 8 at 2k tokens, batch 1), eight drafts made that call 1.05x a stock one
+        self.first_length = min(config.draft_length, self.probe_length)
         self.acceptance = AcceptanceCurve(self.ACCEPTANCE_DECAY, self.high)
         self.draft_step = RunningMean(self.COST_DECAY)
         self.verify = RunningLinearFit(self.COST_DECAY)  # passes that check 2 or more tokens
@@ -166,6 +169,11 @@ class CostAwareDraftLength(DraftLengthSchedule):
             for name in self.ESTIMATES:
                 setattr(self, name, copy.deepcopy(prior[name]))
         self.current = self._next(0)
+
+    @property
+    def probe_length(self) -> int:
+        """Drafts in a round that measures drafting anew (`PROBE_LENGTH`, within the bounds)."""
+        return min(self.high, max(self.low, self.PROBE_LENGTH))
 
     @property
     def keeps_draft_tier(self) -> bool:
@@ -293,10 +301,11 @@ class CostAwareDraftLength(DraftLengthSchedule):
             self.plain_rounds = 0
         self.probing = False
         self.plain_rounds += 1
-        probe = min(self.high, max(self.low, self.PROBE_LENGTH))
-        if self.plain_rounds > self.probe_after and self.probe_pays(probe, remaining, tier_held, curve):
+        if self.plain_rounds > self.probe_after and self.probe_pays(
+            self.probe_length, remaining, tier_held, curve
+        ):
             self.probing = True
-            return probe
+            return self.probe_length
         return 0
 
     def probe_pays(
@@ -310,7 +319,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
         """Whether a probe of k drafts can earn back what it costs: what it loses against plain rounds (its round,
         calibrated, plus building the draft tier when it is not held, less the tokens it is expected to bring) must
         be less than the most that drafting could save over the `remaining` tokens, were every draft accepted (at
-        the best length, priced by the same fits). Near the end of an answer, or where even perfect drafts would
+        the best length whose verify pass was measured, priced by the same fits). Near the end of an answer, or where even perfect drafts would
         barely beat a plain step, a probe cannot pay. `build` prices the build (None: the measured price)."""
         if remaining is None:
             return True
@@ -318,7 +327,11 @@ class CostAwareDraftLength(DraftLengthSchedule):
         if plain_rate <= 0:
             return True
         factor = self.calibration.factor
-        prices = [(j + 1, self.price(j, curve)[1] * factor) for j in range(max(1, self.low), self.high + 1)]
+        # lengths whose verify width was measured: past the widest, the fit is flat, and a pass of 65 tokens priced
+        # as one of 5 makes perfect drafts look far better than they are (a probe of 4 then prices nothing wider)
+        shortest = max(1, self.low)
+        longest = max(shortest, min(self.high, int(min(self.verify.most, self.high + 1)) - 1))
+        prices = [(j + 1, self.price(j, curve)[1] * factor) for j in range(shortest, longest + 1)]
         best_rate = max(tokens / seconds if seconds > 0 else float("inf") for tokens, seconds in prices)
         if best_rate <= plain_rate:
             return False  # not even a draft that is always accepted beats a plain step
@@ -605,13 +618,13 @@ class RunningLinearFit:
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.least = float("inf")
+        self.least, self.most = float("inf"), 0.0  # the least and greatest x measured
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-        self.least = min(self.least, x)
+        self.least, self.most = min(self.least, x), max(self.most, x)
 
     def predict(self, x: float) -> float:
         if not self.n:
