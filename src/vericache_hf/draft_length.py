@@ -108,9 +108,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
 
     With nothing measured yet, the first two rounds are plain (they cost what stock steps cost, and the second
     prices k = 0) and the third drafts `draft_length`, at most a probe's length (it prices drafting); the fourth is
-    chosen from both. Given a
-    `prior` (what earlier calls on the same model and settings measured, see `SchedulePriors`), the first round is
-    chosen from it.
+    chosen from both. Given a `prior` (what earlier calls on the same model and settings measured, see
+    `SchedulePriors`), the first round is chosen from it.
     """
 
     ACCEPTANCE_DECAY = 0.8  # per drafted round: acceptance follows the text, which changes
@@ -319,8 +318,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
         """Whether a probe of k drafts can earn back what it costs: what it loses against plain rounds (its round,
         calibrated, plus building the draft tier when it is not held, less the tokens it is expected to bring) must
         be less than the most that drafting could save over the `remaining` tokens, were every draft accepted (at
-        the best length whose verify pass was measured, priced by the same fits). Near the end of an answer, or where even perfect drafts would
-        barely beat a plain step, a probe cannot pay. `build` prices the build (None: the measured price)."""
+        the best length whose verify width was measured, priced by the same fits). Near the end of an answer, or
+        where even perfect drafts would barely beat a plain step, a probe cannot pay. `build` prices the build (None: the measured price)."""
         if remaining is None:
             return True
         plain_rate = self.plain_rate
