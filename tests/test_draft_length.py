@@ -433,9 +433,8 @@ def test_a_build_drafting_could_never_repay_is_declined_and_remembered():
     # ever save over 126 tokens (about 1.4 s), and KIVI's (0.14 s) does not.
     schedule = CostAwareDraftLength(VeriCacheConfig(draft_length=8))
     two_plain_rounds(schedule, 0.078)
-    assert (
-        schedule.current == CostAwareDraftLength.PROBE_LENGTH and schedule.build_price is None
-    )  # priced next...
+    # drafting is priced next...
+    assert schedule.current == CostAwareDraftLength.PROBE_LENGTH and schedule.build_price is None
     assert schedule.affords_build(0.14, remaining=126, draft_share=0.85)
     assert not schedule.affords_build(4.5, remaining=126, draft_share=0.85)  # ...unless its build is dearer
     assert schedule.current == 0 and schedule.build_price == 4.5

@@ -319,7 +319,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
         calibrated, plus building the draft tier when it is not held, less the tokens it is expected to bring) must
         be less than the most that drafting could save over the `remaining` tokens, were every draft accepted (at
         the best length whose verify width was measured, priced by the same fits). Near the end of an answer, or
-        where even perfect drafts would barely beat a plain step, a probe cannot pay. `build` prices the build (None: the measured price)."""
+        where even perfect drafts would barely beat a plain step, a probe cannot pay. `build` prices the build
+        (None: the measured price)."""
         if remaining is None:
             return True
         plain_rate = self.plain_rate
@@ -329,7 +330,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
         # lengths whose verify width was measured: past the widest, the fit is flat, and a pass of 65 tokens priced
         # as one of 5 makes perfect drafts look far better than they are (a probe of 4 then prices nothing wider)
         shortest = max(1, self.low)
-        longest = max(shortest, min(self.high, int(min(self.verify.most, self.high + 1)) - 1))
+        longest = max(shortest, min(self.high, int(self.verify.most) - 1))
         prices = [(j + 1, self.price(j, curve)[1] * factor) for j in range(shortest, longest + 1)]
         best_rate = max(tokens / seconds if seconds > 0 else float("inf") for tokens, seconds in prices)
         if best_rate <= plain_rate:
