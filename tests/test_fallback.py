@@ -17,6 +17,7 @@ from vericache_hf.compressors.h2o import H2OCompressor
 from vericache_hf.compressors.streaming_llm import StreamingLLMCompressor
 from vericache_hf.decoding import _schedule_key
 from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
+from vericache_hf.loop import build_for_drafting
 
 from .conftest import random_prompt, tiny_model
 
@@ -140,6 +141,19 @@ def test_a_declined_query_aware_build_releases_its_layer_inputs(llama):
     assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
     with pytest.raises(RuntimeError, match="released when one was declined"):
         cache.build_draft_tier()
+    cache.close()
+
+
+def test_a_build_declined_at_a_remembered_price_builds_nothing_and_releases_the_layer_inputs(llama):
+    """A call on settings an earlier call priced declines from that price: no layer is built, and H2O's held inputs
+    (1.5x the full tier on SmolLM2-135M) go at once, not when the call ends."""
+    cache = prefilled(llama, random_prompt(24, seed=11), "h2o")
+    schedule = CostAwareDraftLength(VeriCacheConfig(compressor="h2o", compression_ratio=0.5))
+    schedule.plain_step.add(0.01)  # a plain round's price: 20 tokens could save at most 0.2 s
+    schedule.observe_build(10.0)  # the remembered build
+    assert cache._held and not build_for_drafting(llama, cache, schedule, remaining=20)
+    assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
+    assert cache.stats.compress_seconds == 0 and cache.stats.draft_tier_builds_declined == 1
     cache.close()
 
 

@@ -486,12 +486,11 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
 def build_for_drafting(model, cache: VeriCache, schedule: DraftLengthSchedule, remaining: int | None) -> bool:
     """Build the draft tier for a drafted round, unless the schedule finds it dearer than drafting could save over
     the `remaining` tokens (None: build). Its price is what the schedule measured, or before any build, the faster
-    of the first two layers' times, per layer (see `VeriCache.build_draft_tier`). Returns whether it was built."""
+    of the first two layers' times, per layer (see `VeriCache.build_draft_tier`). Returns whether it was built; a
+    query-aware compressor's held layer inputs go with a refusal."""
     started = time.perf_counter()
     afford = partial(schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache))
-    price = schedule.build_price
-    # unpriced: priced from its first layers as it is built
-    built = cache.build_draft_tier(afford) if price is None else afford(price) and cache.build_draft_tier()
+    built = cache.build_draft_tier(afford, schedule.build_price)
     if built:
         schedule.observe_build(time.perf_counter() - started)
     else:

@@ -377,21 +377,27 @@ class VeriCache(Cache):
             layer.draft = None
         self.stats.draft_tier_frees += 1
 
-    def build_draft_tier(self, afford: Callable[[float], bool] | None = None) -> bool:
+    def build_draft_tier(
+        self, afford: Callable[[float], bool] | None = None, price: float | None = None
+    ) -> bool:
         """Compress the full tier into the draft tier, deferred at prefill or freed (its time in compress_seconds).
 
         `afford`, when given, is asked after the first two layers whether the whole build, priced at the faster
         one's time per layer (the first pays one-off costs: KIVI's took 0.29 s of a 1.2k-token prompt, the next
         a few ms), is worth paying; when not, they are dropped again and nothing more is built (a build can cost
         more than a whole answer's drafting could save: HQQ's takes about a prefill's time on a CPU). Returns
-        whether the draft tier was built. A query-aware compressor builds from the layer inputs held since the
-        prefill (`hold_layer_input`), which a build uses up and a refusal releases: its tier is then never built."""
+        whether the draft tier was built. `price`, when an earlier build was measured, is asked of `afford` before
+        any layer is built. A query-aware compressor builds from the layer inputs held since the prefill
+        (`hold_layer_input`), which a build uses up and a refusal releases: its tier is then never built."""
         if not self.draft_tier_buildable:
             raise RuntimeError(
                 f"{type(self.compressor).__name__} scores tokens with the prompt's layer inputs, and none are held "
                 "(they were used by an earlier build, or released when one was declined): its draft tier cannot be "
                 "built again. Rebuilding needs a K/V-only compressor (streaming_llm, knorm, kivi, ...)."
             )
+        if afford is not None and price is not None and not afford(price):
+            self._held.clear()
+            return False
         priced, rest = self.layers[:2], self.layers[2:]
         seconds = min(self._build_layer(layer) for layer in priced)
         if afford is not None and not afford(seconds * len(self.layers)):
