@@ -430,11 +430,8 @@ class ProposalLength:
     row in four, and often not a row the call waits for).
 
     The first pass a gate sees is not timed (a call's first round, or the first pass on a new draft tier, pays
-    one-off costs: 1.5-10x a later pass); the second offers nothing and the third a probe's length, so both kinds of
-    pass are measured before choosing. A probe offers at most `PROBE_LENGTH` proposals, as `CostAwareDraftLength`'s
-    probes draft at most that many: at batch 4 on QA a pass of 11 tokens cost 2.6x a one-token pass and kept nothing
-    most times, so a narrower probe loses less finding that out; where proposals are kept, the next pass offers
-    what pays best. m = 0 (the draft tier alone) wins when proposals are rarely kept (passes with
+    one-off costs: 1.5-10x a later pass); the second offers nothing and the third `limit`, so both kinds of pass are
+    measured before choosing. m = 0 (the draft tier alone) wins when proposals are rarely kept (passes with
     proposals are priced with a `Calibration`, as `CostAwareDraftLength` prices drafted rounds); then a probe now
     and then re-measures, as in `CostAwareDraftLength`. The draft length schedule sees the result as a cheaper draft
     step, so it drafts longer when proposals pay.
@@ -443,7 +440,6 @@ class ProposalLength:
     DECAY = 0.9  # per pass: the text changes, and with it what the proposer finds
     FIRST_PROBE_AFTER = 8
     LAST_PROBE_AFTER = 256
-    PROBE_LENGTH = 4
 
     def __init__(self, limit: int, fixed: bool = False) -> None:
         self.limit, self.fixed = limit, fixed  # fixed: always offer `limit` (the fixed draft schedule)
@@ -455,11 +451,6 @@ class ProposalLength:
         self.share = RunningMean(self.DECAY)  # of the rows observed, those offered proposals, in wider passes
         self.plain_passes, self.probe_after, self.probing = 0, self.FIRST_PROBE_AFTER, False
         self.passes_seen, self.single_stale = 0, False
-
-    @property
-    def probe_length(self) -> int:
-        """Proposals offered by a pass that measures them anew (`PROBE_LENGTH`, at most `limit`)."""
-        return min(self.limit, self.PROBE_LENGTH)
 
     def observe(self, width: int, seconds: float, offered: list[int], kept: list[int]) -> None:
         """One pass of `width` tokens that took `seconds`; the live rows were offered and kept these counts."""
@@ -474,7 +465,7 @@ class ProposalLength:
         if width > 1 and offered:  # a pass widened for proposals: how many of these rows had any
             self.share.add(len(asked) / len(offered))
         if not self.single.weight or not self.pass_seconds.n:  # measure both kinds of pass before choosing
-            self.current = 0 if not self.single.weight else self.probe_length
+            self.current = 0 if not self.single.weight else self.limit
             return
         if self.single_stale:  # the one-token price is above a wider pass: measure it again first
             self.current = 0
@@ -491,7 +482,7 @@ class ProposalLength:
         self.plain_passes += 1
         if self.plain_passes > self.probe_after:
             self.plain_passes, self.probing = 0, True
-            self.current = self.probe_length
+            self.current = self.limit
         else:
             self.current = 0
 
