@@ -386,8 +386,8 @@ class VeriCache(Cache):
         one's time per layer (the first pays one-off costs: KIVI's took 0.29 s of a 1.2k-token prompt, the next
         a few ms), is worth paying; when not, they are dropped again and nothing more is built (a build can cost
         more than a whole answer's drafting could save: HQQ's takes about a prefill's time on a CPU). Returns
-        whether the draft tier was built. `price`, when an earlier build was measured, is asked of `afford` before
-        any layer is built. A query-aware compressor builds from the layer inputs held since the prefill
+        whether the draft tier was built. `price`, when an earlier build was measured, is asked of `afford` instead,
+        before any layer is built. A query-aware compressor builds from the layer inputs held since the prefill
         (`hold_layer_input`), which a build uses up and a refusal releases: its tier is then never built."""
         if not self.draft_tier_buildable:
             raise RuntimeError(
@@ -395,9 +395,11 @@ class VeriCache(Cache):
                 "(they were used by an earlier build, or released when one was declined): its draft tier cannot be "
                 "built again. Rebuilding needs a K/V-only compressor (streaming_llm, knorm, kivi, ...)."
             )
-        if afford is not None and price is not None and not afford(price):
-            self._held.clear()
-            return False
+        if afford is not None and price is not None:
+            if not afford(price):
+                self._held.clear()
+                return False
+            afford = None  # paid at the price measured before, not priced again
         priced, rest = self.layers[:2], self.layers[2:]
         seconds = min(self._build_layer(layer) for layer in priced)
         if afford is not None and not afford(seconds * len(self.layers)):
