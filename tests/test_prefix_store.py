@@ -301,6 +301,45 @@ def test_throttled_store_sleeps_without_burning_cpu():
     assert store.namespace == "mem"
 
 
+class CountingStore(DictStore):
+    """Signals when the loader's second layer read starts, and can fail that read."""
+
+    def __init__(self, fail_second: bool = False) -> None:
+        super().__init__()
+        self.reads, self.second_read, self.fail_second = 0, threading.Event(), fail_second
+
+    def get_many(self, keys):
+        self.reads += 1
+        if self.reads == 2:
+            self.second_read.set()
+            if self.fail_second:
+                raise RuntimeError("the store broke on layer 1")
+        return super().get_many(keys)
+
+
+def test_the_next_layer_is_read_while_a_layer_is_used():
+    store = CountingStore()
+    cache, ids = PrefixCache(store, chunk_tokens=CHUNK), prompt()
+    kv = kv_for(ids.numel())
+    cache.save(ids, kv, FP)
+    layers = cache.iter_layers(ids, FP)
+    layer, keys, _, _ = next(layers)  # the caller holds layer 0 and has not asked for layer 1 yet
+    assert layer == 0 and torch.equal(keys, kv[0][0][:, :, : 3 * CHUNK])
+    assert store.second_read.wait(5), "layer 1 was not read ahead"
+    assert [entry[0] for entry in layers] == [1]
+
+
+def test_a_store_error_while_reading_ahead_is_raised_in_the_caller():
+    store = CountingStore()
+    cache, ids = PrefixCache(store, chunk_tokens=CHUNK), prompt()
+    cache.save(ids, kv_for(ids.numel()), FP)
+    store.fail_second, store.reads = True, 0
+    layers = cache.iter_layers(ids, FP)
+    assert next(layers)[0] == 0
+    with pytest.raises(RuntimeError, match="broke on layer 1"):
+        next(layers)
+
+
 def test_bad_arguments_say_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="namespace"):
         DiskStore(tmp_path, namespace="a@b")

@@ -7,7 +7,7 @@ an entry that fails a check is refused (a miss, with a warning) and deleted, so 
 - The full tier (`save` / `load` / `iter_layers`, per-layer `(keys, values)` each (1, H_kv, T, D)) is stored one
   entry per chunk and layer, `full@<chunk hash>/<layer>`, so that a loader reads it layer by layer, one round trip a
   layer, and a verify pass can start on the first layers while the last ones are still on their way (vLLM's
-  `wait_for_layer_load`).
+  `wait_for_layer_load`). The next layer's round trip is in flight while a layer is checked and decoded.
 - A draft tier (`save_state` / `load_state`, any named tensors) is one entry for a whole prefix, under the key of
   its last chunk: a compressor's state depends on every token it saw, so it is stored for exactly that prefix. Its
   fingerprint carries the compressor's name and settings, so a different compressor never matches.
@@ -15,7 +15,8 @@ an entry that fails a check is refused (a miss, with a warning) and deleted, so 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,10 +108,20 @@ class PrefixCache:
         _check_fingerprint(fingerprint)
         expected = (1, fingerprint.num_kv_heads, self.chunk_tokens, fingerprint.head_dim)
         hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
+
+        def read(layer: int, hashes: list[str]) -> list[bytes | None]:
+            bases = [tier_key("full", _layer_entry(chunk_hash, layer)) for chunk_hash in hashes]
+            return self.store.get_many([base + part for base in bases for part in (":meta", ":kv")])
+
+        # one read ahead: the next layer is on its way while this one is checked, decoded and used
+        ahead = _ReadAhead(read, 0, hashes)
         for layer in range(fingerprint.num_layers):
+            found = ahead.result()
+            if layer + 1 < fingerprint.num_layers:
+                ahead = _ReadAhead(read, layer + 1, hashes)
             names = [_layer_entry(chunk_hash, layer) for chunk_hash in hashes]
             bases = [tier_key("full", name) for name in names]
-            found = self.store.get_many([base + part for base in bases for part in (":meta", ":kv")])
+            found = found[: 2 * len(names)]  # read before an earlier layer shortened the run
             run: list[dict[str, torch.Tensor]] = []
             nbytes = 0
             for name, base, meta, payload in zip(names, bases, found[::2], found[1::2], strict=True):
@@ -189,6 +200,31 @@ class PrefixCache:
     def _drop(self, base: str) -> None:
         self.store.delete(base + ":meta")
         self.store.delete(base + ":kv")
+
+
+class _ReadAhead:
+    """`read(*args)` on a daemon thread (one that never keeps the process alive on a stalled store); `result`
+    waits for it and raises, on the caller's thread, what it raised."""
+
+    def __init__(self, read: Callable[..., list[bytes | None]], *args: object) -> None:
+        self._value: list[bytes | None] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(read, args), name="vericache-prefix-read", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, read: Callable[..., list[bytes | None]], args: tuple) -> None:
+        try:
+            self._value = read(*args)
+        except BaseException as error:  # raised again by result()
+            self._error = error
+
+    def result(self) -> list[bytes | None]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _layer_entry(chunk_hash: str, layer: int) -> str:
