@@ -330,10 +330,9 @@ def test_the_next_layer_is_read_while_a_layer_is_used():
 
 
 def test_a_store_error_while_reading_ahead_is_raised_in_the_caller():
-    store = CountingStore()
+    store = CountingStore(fail_second=True)  # saving reads nothing: the loader's reads are the first
     cache, ids = PrefixCache(store, chunk_tokens=CHUNK), prompt()
     cache.save(ids, kv_for(ids.numel()), FP)
-    store.fail_second, store.reads = True, 0
     layers = cache.iter_layers(ids, FP)
     assert next(layers)[0] == 0
     with pytest.raises(RuntimeError, match="broke on layer 1"):

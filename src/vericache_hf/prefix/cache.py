@@ -55,7 +55,7 @@ class PrefixCache:
     def layer_keys(self, token_ids: torch.Tensor, fingerprint: KVFingerprint, layer: int) -> list[str]:
         """The full-tier entry of every full chunk of `token_ids` for one layer."""
         hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
-        return [tier_key("full", _layer_entry(h, layer)) for h in hashes]
+        return _layer_keys(hashes, layer)
 
     def probe(self, token_ids: torch.Tensor, fingerprint: KVFingerprint) -> int:
         """How many leading tokens the full tier has every layer of, by metadata alone: cheap (no tensor bytes
@@ -110,7 +110,7 @@ class PrefixCache:
         hashes = chunk_hashes(token_ids, self.chunk_tokens, fingerprint)
 
         def read(layer: int, hashes: list[str]) -> list[bytes | None]:
-            bases = [tier_key("full", _layer_entry(chunk_hash, layer)) for chunk_hash in hashes]
+            bases = _layer_keys(hashes, layer)
             return self.store.get_many([base + part for base in bases for part in (":meta", ":kv")])
 
         # one read ahead: the next layer is on its way while this one is checked, decoded and used
@@ -230,6 +230,11 @@ class _ReadAhead:
 def _layer_entry(chunk_hash: str, layer: int) -> str:
     """The name of one layer's entry of a full-tier chunk (its store key is `tier_key("full", name)`)."""
     return f"{chunk_hash}/{layer}"
+
+
+def _layer_keys(hashes: Sequence[str], layer: int) -> list[str]:
+    """The store key of one layer's entry of each of these full-tier chunks."""
+    return [tier_key("full", _layer_entry(chunk_hash, layer)) for chunk_hash in hashes]
 
 
 def _leading(found: Sequence[bool]) -> int:
