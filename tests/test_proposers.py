@@ -211,3 +211,18 @@ def test_greedy_rule_keeps_the_run_that_agrees():
         7,
         9,
     ]  # row 0 was offered 2: its own token follows them
+
+
+def test_prompt_lookup_proposes_only_after_a_match_of_two_tokens():
+    """A one-token match rarely predicts what follows (0.2-0.4 of 10 tokens kept on the embedded model's prompts)
+    and at batch > 1 it widens the whole pass, so it proposes nothing; a two-token match proposes as transformers'."""
+    from vericache_hf.proposers import PromptLookupProposer
+
+    lookup = PromptLookupProposer(num_tokens=3, max_ngram_size=None, eos_token_id=None)
+    one_token = torch.tensor([5, 6, 7, 8, 9, 6])  # only "6" occurred before
+    two_tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6])  # "5 6" occurred before, followed by 7 8 9
+    assert lookup.propose(0, one_token, 3).numel() == 0
+    assert lookup.propose(0, two_tokens, 3).tolist() == [7, 8, 9]
+    assert lookup.propose(0, two_tokens, 2).tolist() == [7, 8]
+    # asked for one-token matches, it proposes them
+    assert PromptLookupProposer(3, 1, None).propose(0, one_token, 3).tolist() == [7, 8, 9]
