@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.proposers import PromptLookupProposer
 from vericache_hf.verify import proposal_accept, speculative_accept
 
 from .conftest import VOCAB, random_prompt, small_model, tiny_model
@@ -216,8 +217,6 @@ def test_greedy_rule_keeps_the_run_that_agrees():
 def test_prompt_lookup_proposes_only_after_a_match_of_two_tokens():
     """A one-token match rarely predicts what follows (0.2-0.4 of 10 tokens kept on the embedded model's prompts)
     and at batch > 1 it widens the whole pass, so it proposes nothing; a two-token match proposes as transformers'."""
-    from vericache_hf.proposers import PromptLookupProposer
-
     lookup = PromptLookupProposer(num_tokens=3, max_ngram_size=None, eos_token_id=None)
     one_token = torch.tensor([5, 6, 7, 8, 9, 6])  # only "6" occurred before
     two_tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6])  # "5 6" occurred before, followed by 7 8 9

@@ -46,9 +46,10 @@ class VeriCacheConfig:
         refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
             N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
         proposer: hierarchical drafting's proposer: `"prompt_lookup"` (n-grams of the prefix, no second model; a match
-            of two tokens or more, up to `max_matching_ngram_size`, 3 if unset, proposes) or an assistant model that shares the tokenizer. The draft tier checks its proposals many tokens per pass and
-            the full tier verifies as always, so the output is unchanged. `generate`'s own `prompt_lookup_num_tokens`
-            and `assistant_model` kwargs do the same. None drafts with the draft tier alone.
+            of two tokens or more, up to `max_matching_ngram_size`, 3 if unset, proposes) or an assistant model that
+            shares the tokenizer. The draft tier checks its proposals many tokens per pass and the full tier verifies
+            as always, so the output is unchanged. `generate`'s own `prompt_lookup_num_tokens` and `assistant_model`
+            kwargs do the same. None drafts with the draft tier alone.
         proposal_length: most tokens one proposal offers (`prompt_lookup_num_tokens` overrides it). How many the draft
             tier checks is chosen as it goes, from the measured pass time and how many it keeps, 0 when they do not
             pay (always `proposal_length` under the fixed draft schedule).
