@@ -19,6 +19,7 @@ from vericache_hf.draft_length import (
     ProposalLength,
     RunningLinearFit,
     bounding_rows,
+    call_run,
     draft_length_schedule,
 )
 
@@ -343,6 +344,30 @@ def test_in_a_batch_yield_is_measured_on_the_rows_the_call_waits_for():
         seconds += took
     assert seconds < 1.05 * 200 * 0.15
     assert bounding_rows({0: 3, 1: 5, 2: 5}) == [1, 2]
+
+
+def test_a_batch_pass_counts_as_far_as_it_moves_the_call():
+    # rows 0 and 1 have the most left: the call waits for both
+    left = {0: 50, 1: 50, 2: 40}
+    assert call_run(left, {0: 10, 1: 10, 2: 10}, {0: 10, 1: 0, 2: 10}) == (10, 0)  # row 1 kept nothing
+    assert call_run(left, {0: 10, 1: 3, 2: 0}, {0: 5, 1: 3, 2: 0}) == (3, 3)
+    assert call_run(left, {0: 0, 1: 10, 2: 10}, {0: 0, 1: 10, 2: 0}) == (0, 0)  # row 0 was offered nothing
+    # a row just behind the bound ones keeps the call from moving past it
+    assert call_run({0: 50, 1: 49}, {0: 10, 1: 0}, {0: 10, 1: 0}) == (10, 1)
+
+
+def test_a_probe_offers_a_few_proposals_in_a_pass_that_costs_little_more_than_one_token():
+    # Batch 4, QA at 2k tokens on a 2-core CPU (session 34's trace): a one-token pass takes 115 ms, a pass of 4
+    # tokens 160 ms, of 11 tokens 255 ms. Proposals are found in every pass and never kept. Probing with all 10
+    # (an 11-token pass each time) cost 2.6% over one-token passes in 300 passes.
+    def seconds(m: int, _: int) -> float:
+        return 0.115 + (0.045 * m / 3 if m <= 3 else 0.045 + 0.095 * (m - 3) / 7)
+
+    gate = ProposalLength(limit=10)
+    offers = run_gate(gate, 300, seconds, lambda m, _: ([m], [0]))
+    assert offers[:3] == [0, 0, 10]  # both kinds of pass measured
+    assert set(offers[3:]) == {0, ProposalLength.PROBE_LENGTH}
+    assert sum(seconds(m, 0) for m in offers) < 1.015 * 300 * 0.115
 
 
 def test_acceptance_is_measured_per_position_not_assumed_geometric():

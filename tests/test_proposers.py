@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf.loop import widen_for
 from vericache_hf.proposers import PromptLookupProposer
 from vericache_hf.verify import proposal_accept, speculative_accept
 
@@ -225,3 +226,10 @@ def test_prompt_lookup_proposes_only_after_a_match_of_two_tokens():
     assert lookup.propose(0, two_tokens, 2).tolist() == [7, 8]
     # asked for one-token matches, it proposes them
     assert PromptLookupProposer(3, 1, None).propose(0, one_token, 3).tolist() == [7, 8, 9]
+
+
+def test_a_pass_widens_only_for_the_rows_the_call_waits_for():
+    rows = [torch.arange(n) for n in (10, 2, 0, 5)]
+    assert [r.shape[-1] for r in widen_for(rows, bound=[1, 3])] == [5, 2, 0, 5]
+    assert [r.shape[-1] for r in widen_for(rows, bound=[2])] == [0, 0, 0, 0]  # no bound row found any
+    assert torch.equal(widen_for(rows, bound=[0])[0], rows[0])
