@@ -5,6 +5,7 @@ Tiny random models in float64; exactness is against the full-cache call, which i
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -87,12 +88,40 @@ class _Counted(Method):
         return super().generate(*args, **kwargs)
 
 
+class _Steps:
+    """A method that emits `steps` tokens, `nap` seconds apart, logging its name at each."""
+
+    def __init__(self, name: str, steps: int, nap: float, log: list[str]) -> None:
+        self.name, self.steps, self.nap, self.log = name, steps, nap, log
+
+    def generate(self, model, batch, max_new_tokens, streamer=None):
+        streamer.put(batch.input_ids)
+        for _ in range(self.steps):
+            time.sleep(self.nap)
+            self.log.append(self.name)
+            streamer.put(batch.input_ids[:, -1])
+        return Generation(torch.zeros(1, self.steps, dtype=torch.long))
+
+
+@pytest.mark.parametrize("quantum,least", [(0.0, 1), (0.02, 4)])
+def test_turns_are_slices_of_time_not_single_tokens(llama, quantum, least):
+    # a call emitting many tokens a round must not give its partner runs of warm steps: each holds the turn for
+    # `quantum` seconds (steps of 5 ms: 4 steps) before passing it at its next token
+    log: list[str] = []
+    methods = [_Steps("a", 40, 0.005, log), _Steps("b", 40, 0.005, log)]
+    run_side_by_side(llama, methods, synthetic_workload(1).batches[0], max_new_tokens=40, quantum=quantum)
+    runs = [len(list(group)) for _, group in itertools.groupby(log)]
+    assert len(runs) > 4
+    assert min(runs[:-2]) >= least  # the last slices end when a call (or its stand-in) does
+    assert max(runs[:-2]) <= least + 1
+
+
 @pytest.mark.parametrize("short", [_Counted("full"), _Counted("vericache", "streaming_llm", 0.5)])
 def test_a_call_that_ends_first_stands_in_until_the_other_ends(llama, short):
     # stand-ins keep the timed call from running its last steps alone; each is stopped through its own generate
     workload, long = synthetic_workload(1), _Long(steps=200)
     _Counted.calls.clear()
-    results = run_side_by_side(llama, [short, long], workload.batches[0], max_new_tokens=3)
+    results = run_side_by_side(llama, [short, long], workload.batches[0], max_new_tokens=3, quantum=0.0)
     assert [r.generation.new_tokens.shape[-1] for r in results] == [3, 200]
     assert _Counted.calls[short.name] > 1 and long.calls == 1
 

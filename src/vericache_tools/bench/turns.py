@@ -6,12 +6,19 @@ moves with it, so calls run one after another that do the same work differ by up
 every step's tokens (and at every layer's attention until their first token, so a prefill is interleaved too) share the
 same drift: two full-cache calls side by side read 0.986-1.005 of each other.
 
-Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn each time its
-streamer has had a token per row (a stock step's; VeriCache emits row by row), which VeriCache's loop does between
-a round's verify pass and its commit, so the timers the cost-aware schedule prices rounds by never include another
-call's turn. Taking turns costs each call about a fifth more than running alone (caches refill after the other's
-turn), so a call that ended leaves its partner a stand-in (the same method again, untimed, stopped when every timed
-call has ended): no timed call runs its last steps alone, faster. Only ratios between the calls mean anything.
+Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn at the first
+token per row its streamer has (a stock step's; VeriCache emits row by row) once it has held the turn for `QUANTUM`
+seconds. VeriCache's loop emits between a round's verify pass and its commit, so the timers the cost-aware schedule
+prices rounds by never include another call's turn. Taking turns costs each call about a fifth more than running
+alone (caches refill after the other's turn), so a call that ended leaves its partner a stand-in (the same method
+again, untimed, stopped when every timed call has ended): no timed call runs its last steps alone, faster. Only
+ratios between the calls mean anything.
+
+Turns are slices of time, not single tokens, so that every call pays for refilled caches at the same rate. Passed
+at every token, the full-cache partner of a call emitting n tokens a round ran n - 1 steps warm for each cold one
+while its partner ran every round cold: at batch 4 and 2k tokens the partners of VeriCache composed with prompt
+lookup (more tokens a round) ran 3-15% faster than VeriCache alone's in the same runs (session 34), which lowered
+the composed method's ratio by as much.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ from vericache_hf.cache.capture import attention_modules
 
 from .methods import Generation, Method
 from .workloads import PromptBatch
+
+#: Seconds a call holds the turn before passing it at its next token: a few decode steps of the embedded model on
+#: 2 cores at 2k tokens, and far below the tens of seconds over which the machine's speed drifts.
+QUANTUM = 0.5
 
 
 class TakeTurns:
@@ -66,7 +77,11 @@ class TakeTurns:
 
     def running(self, party: int) -> float:
         """Seconds `party` has held the turn so far, the current turn included (call it while holding it)."""
-        return self.held[party] + time.perf_counter() - self._since
+        return self.held[party] + self.holding()
+
+    def holding(self) -> float:
+        """Seconds the current turn has lasted (call it while holding it)."""
+        return time.perf_counter() - self._since
 
     def _wait(self, party: int) -> None:
         self._changed.wait_for(lambda: self._turn == party)
@@ -85,12 +100,15 @@ class _StandInDone(Exception):
 
 
 class TurnStreamer(BaseStreamer):
-    """A call's streamer: the first `put` is the prompt; after that the turn passes each time the call has emitted
-    a token per row. `first_token_seconds` is the call's held time when its first token came. A stand-in's
-    streamer stops its call once every timed call has ended."""
+    """A call's streamer: the first `put` is the prompt; after that the turn passes when the call has emitted a
+    token per row and held the turn for `quantum` seconds. `first_token_seconds` is the call's held time when its
+    first token came. A stand-in's streamer stops its call once every timed call has ended."""
 
-    def __init__(self, turns: TakeTurns, party: int, rows: int, stand_in: bool = False) -> None:
+    def __init__(
+        self, turns: TakeTurns, party: int, rows: int, stand_in: bool = False, quantum: float = QUANTUM
+    ) -> None:
         self.turns, self.party, self.rows, self.stand_in = turns, party, rows, stand_in
+        self.quantum = quantum
         self.puts = self.tokens = 0
         self.first_token_seconds: float | None = None
 
@@ -105,7 +123,7 @@ class TurnStreamer(BaseStreamer):
         if self.first_token_seconds is None:
             self.first_token_seconds = self.turns.running(self.party)
         before, self.tokens = self.tokens, self.tokens + value.numel()
-        if self.tokens // self.rows > before // self.rows:
+        if self.tokens // self.rows > before // self.rows and self.turns.holding() >= self.quantum:
             self.pass_turn()
 
     def pass_turn(self) -> None:
@@ -125,10 +143,11 @@ class TurnResult:
 
 
 def run_side_by_side(
-    model, methods: Sequence[Method], batch: PromptBatch, max_new_tokens: int
+    model, methods: Sequence[Method], batch: PromptBatch, max_new_tokens: int, quantum: float = QUANTUM
 ) -> list[TurnResult]:
-    """Run `methods` on `batch` at once, one thread each, taking turns; the first method goes first. A method that
-    raises lets the others finish, then its error is raised here."""
+    """Run `methods` on `batch` at once, one thread each, taking turns of `quantum` seconds (0: a token per row
+    each); the first method goes first. A method that raises lets the others finish, then its error is raised
+    here."""
     turns = TakeTurns(len(methods))
     current = threading.local()  # the streamer of the call this thread runs
     results: list[TurnResult | None] = [None] * len(methods)
@@ -140,7 +159,7 @@ def run_side_by_side(
             streamer.pass_turn()
 
     def run(party: int, method: Method) -> None:
-        streamer = current.streamer = TurnStreamer(turns, party, batch.batch_size)
+        streamer = current.streamer = TurnStreamer(turns, party, batch.batch_size, quantum=quantum)
         turns.begin(party)
         try:
             with torch.no_grad():  # grad mode is per thread; not inference_mode: see the transfer engine
@@ -150,7 +169,9 @@ def run_side_by_side(
                 results[party] = TurnResult(generation, seconds, seconds if first is None else first)
                 turns.timed_ended(party)
                 while not turns.all_timed_ended():  # stand in for this call while a timed one runs
-                    current.streamer = TurnStreamer(turns, party, batch.batch_size, stand_in=True)
+                    current.streamer = TurnStreamer(
+                        turns, party, batch.batch_size, stand_in=True, quantum=quantum
+                    )
                     method.generate(model, batch, max_new_tokens, streamer=current.streamer)
         except _StandInDone:
             pass
