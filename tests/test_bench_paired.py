@@ -1,4 +1,4 @@
-"""Paired bench runs: a method side by side with a full-cache call, taking turns token by token.
+"""Paired bench runs: a method side by side with a full-cache call, taking turns in slices of time.
 
 Tiny random models in float64; exactness is against the full-cache call, which is stock `generate`.
 """

@@ -113,7 +113,7 @@ def add_bench_command(subparsers) -> None:
     parser.add_argument(
         "--paired",
         action="store_true",
-        help="run each method side by side with a full-cache call, the two taking turns token by token, and take "
+        help="run each method side by side with a full-cache call, the two taking turns in half-second slices, and take "
         "its ratios to that call: a shared machine's drift then falls on both (needs --no-lossy)",
     )
     parser.add_argument("--model", default=None, help="a Hub id or folder (None: the embedded SmolLM2-135M)")

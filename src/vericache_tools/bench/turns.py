@@ -1,16 +1,16 @@
-"""Methods side by side in one process, taking turns token by token, each timed only while it runs (`--paired`).
+"""Methods side by side in one process, taking turns in slices of time, each timed only while it runs (`--paired`).
 
 On a shared 2-core machine, speed drifts by up to 10% over tens of seconds (memory bandwidth shared with other
 machines' jobs: a fixed matrix-vector product of the model's size ran 50-62 ms within one minute), and a whole call
-moves with it, so calls run one after another that do the same work differ by up to 10%. Calls that take turns at
-every step's tokens (and at every layer's attention until their first token, so a prefill is interleaved too) share the
-same drift: two full-cache calls side by side read 0.986-1.005 of each other.
+moves with it, so calls run one after another that do the same work differ by up to 10%. Calls that take turns
+(every half second, and at every layer's attention until their first token, so a prefill is interleaved too) share
+the same drift: two full-cache calls taking turns at every token read 0.986-1.005 of each other.
 
 Only one call runs at a time, and each is timed while it holds the turn. A call passes the turn at the first
 token per row its streamer has (a stock step's; VeriCache emits row by row) once it has held the turn for `QUANTUM`
 seconds. VeriCache's loop emits between a round's verify pass and its commit, so the timers the cost-aware schedule
-prices rounds by never include another call's turn. Taking turns costs each call about a fifth more than running
-alone (caches refill after the other's turn), so a call that ended leaves its partner a stand-in (the same method
+prices rounds by never include another call's turn. Taking turns costs each call more than running alone (caches
+refill after the other's turn: a fifth more at every token), so a call that ended leaves its partner a stand-in (the same method
 again, untimed, stopped when every timed call has ended): no timed call runs its last steps alone, faster. Only
 ratios between the calls mean anything.
 
