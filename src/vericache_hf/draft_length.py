@@ -433,15 +433,15 @@ class ProposalLength:
     one-off costs: 1.5-10x a later pass); the second offers nothing and the third `limit`, so both kinds of pass are
     measured before choosing. m = 0 (the draft tier alone) wins when proposals are rarely kept (passes with
     proposals are priced with a `Calibration`, as `CostAwareDraftLength` prices drafted rounds); then a probe now
-    and then re-measures, as in `CostAwareDraftLength`, with `PROBE_LENGTH` proposals. The draft length schedule sees the result as a cheaper draft
-    step, so it drafts longer when proposals pay.
+    and then re-measures, as in `CostAwareDraftLength`, with `PROBE_LENGTH` proposals. The draft length schedule
+    sees the result as a cheaper draft step, so it drafts longer when proposals pay.
     """
 
     DECAY = 0.9  # per pass: the text changes, and with it what the proposer finds
     FIRST_PROBE_AFTER = 8
     LAST_PROBE_AFTER = 256
     # a probe's proposals: enough to see whether the proposer is right again, in a pass that costs little more
-    # than one token (at batch 4 and 2k tokens on a 2-core CPU, 4 tokens 1.2x, 11 tokens 2.3x)
+    # than one token (in the loop at batch 4 and 2k tokens on a 2-core CPU, 4 tokens 1.3-1.4x, 11 tokens 2-3x)
     PROBE_LENGTH = 3
 
     def __init__(self, limit: int, fixed: bool = False) -> None:

@@ -113,8 +113,8 @@ def add_bench_command(subparsers) -> None:
     parser.add_argument(
         "--paired",
         action="store_true",
-        help="run each method side by side with a full-cache call, the two taking turns in half-second slices, and take "
-        "its ratios to that call: a shared machine's drift then falls on both (needs --no-lossy)",
+        help="run each method side by side with a full-cache call, the two taking turns in half-second slices, and "
+        "take its ratios to that call: a shared machine's drift then falls on both (needs --no-lossy)",
     )
     parser.add_argument("--model", default=None, help="a Hub id or folder (None: the embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")

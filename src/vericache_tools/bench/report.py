@@ -359,7 +359,8 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, settings: dict[str, 
     if settings.get("paired"):
         notes += (
             "\nPaired run: each method ran side by side with a full-cache call, the two taking turns in "
-            "half-second slices, and its ratios are to that call. Absolute speeds are those of calls taking turns.\n"
+            "half-second slices, and its ratios are to that call. Absolute speeds are those of calls taking "
+            "turns.\n"
         )
     md_path.write_text(
         overview_table(rows)

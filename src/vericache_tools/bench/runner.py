@@ -9,9 +9,9 @@ repeats (`Sample.to_dict` makes them JSON), and `measured` gives back such sampl
 again. So a run of many hours can stop and go on later, losing at most the repeat it was in (at 8k tokens and
 batch 4 one repeat of the grid's methods is most of an hour).
 
-With `paired=True`, each method instead runs side by side with a full-cache call, the two taking turns in slices of
-half a second (`turns.run_side_by_side`), and its ratios are to that call: machine drift then falls on both alike within
-seconds, not across calls.
+With `paired=True`, each method instead runs side by side with a full-cache call, the two taking turns in slices
+of half a second (`turns.run_side_by_side`), and its ratios are to that call: machine drift then falls on both
+alike within seconds, not across calls.
 
 Between runs, untimed, the heap's free memory goes back to the OS, and each run records its peak resident memory:
 see `release_free_memory` and `PeakMemory`.

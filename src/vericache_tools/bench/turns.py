@@ -1,4 +1,5 @@
-"""Methods side by side in one process, taking turns in slices of time, each timed only while it runs (`--paired`).
+"""Methods side by side in one process, taking turns in slices of time, each timed only while it runs
+(`--paired`).
 
 On a shared 2-core machine, speed drifts by up to 10% over tens of seconds (memory bandwidth shared with other
 machines' jobs: a fixed matrix-vector product of the model's size ran 50-62 ms within one minute), and a whole call
@@ -10,9 +11,9 @@ Only one call runs at a time, and each is timed while it holds the turn. A call 
 token per row its streamer has (a stock step's; VeriCache emits row by row) once it has held the turn for `QUANTUM`
 seconds. VeriCache's loop emits between a round's verify pass and its commit, so the timers the cost-aware schedule
 prices rounds by never include another call's turn. Taking turns costs each call more than running alone (caches
-refill after the other's turn: a fifth more at every token), so a call that ended leaves its partner a stand-in (the same method
-again, untimed, stopped when every timed call has ended): no timed call runs its last steps alone, faster. Only
-ratios between the calls mean anything.
+refill after the other's turn: a fifth more at every token), so a call that ended leaves its partner a stand-in
+(the same method again, untimed, stopped when every timed call has ended): no timed call runs its last steps
+alone, faster. Only ratios between the calls mean anything.
 
 Turns are slices of time, not single tokens, so that every call pays for refilled caches at the same rate. Passed
 at every token, the full-cache partner of a call emitting n tokens a round ran n - 1 steps warm for each cold one
