@@ -2,8 +2,9 @@
 pinned host memory, copied layer by layer into staging buffers on the transfer engine's own CUDA stream, greedy
 output equal to stock `generate` (float64, so batched and sequential passes agree to the last bit), a failure in the
 worker raised in the caller, and a model split across devices by accelerate with each layer's tiers on that layer's
-device (the GPU layers staged, the CPU layers reading their full tier in place), and engine workers each computing on
-its own CUDA stream.
+device (the GPU layers staged, the CPU layers reading their full tier in place), engine workers each computing on
+its own CUDA stream, composed drafting (prompt lookup and an assistant model proposing), and a stored prefix reused
+with its draft tier on the GPU while its full tier loads into pinned host memory behind drafting.
 
 Skipped without CUDA. On a GPU machine: `python -m pytest tests/test_cuda.py`."""
 
@@ -19,8 +20,11 @@ from vericache_hf.cache.staging import buffer_tokens
 from vericache_hf.cache.transfer import TransferError
 from vericache_hf.cache.vericache import DEFAULT_ROOM
 from vericache_hf.compat import CACHE_OUTPUT_FIELD
+from vericache_hf.prefix import DiskStore, ThrottledStore
 
 from .conftest import no_worker_left, random_prompt, tiny_model
+from .test_prefix_reuse import CHUNK, corrupt, request
+from .test_prefix_reuse import vericache as vericache_with_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -162,3 +166,57 @@ def test_engine_workers_compute_on_their_own_streams(cuda_llama):
         ids = torch.tensor([prompt], device="cuda")
         expected = cuda_llama.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(prompt) :]
         assert result.generated_tokens == expected.tolist()
+
+
+@pytest.mark.parametrize("proposer", ["prompt_lookup", "assistant"])
+def test_composed_drafting_on_cuda_matches_stock(cuda_llama, proposer):
+    """A proposer offers tokens, the draft tier on the GPU checks them many per pass, the full tier verifies."""
+    ids, mask = padded_batch("cuda")
+    ids, mask = (
+        torch.cat([ids, ids[:, -12:], ids[:, -12:]], 1),
+        torch.cat([mask, mask[:, -24:]], 1),
+    )  # n-grams to find
+    kwargs = (
+        {"prompt_lookup_num_tokens": 5}
+        if proposer == "prompt_lookup"
+        else {"assistant_model": tiny_model("llama", seed=5, num_hidden_layers=1).to("cuda")}
+    )
+    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6)
+    expected = cuda_llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
+    out = vericache_generate(cuda_llama, ids, mask, config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    stats = out.vericache_stats
+    assert stats.proposed_tokens > 0 and stats.draft_forwards > 0 and stats.chunk_transfers > 0
+    assert all(layer.full.keys.is_pinned() for layer in getattr(out, CACHE_OUTPUT_FIELD).layers)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_reused_prefix_on_cuda_drafts_while_the_full_prefix_loads_into_pinned_memory(
+    cuda_llama, tmp_path, damaged
+):
+    """Saved on the GPU, then reused over a slow link: the draft tier lands on the GPU and drafting starts while the
+    full chunks load into the pinned host tier (or, when a layer's chunks are damaged, are recomputed on the GPU)."""
+    store = DiskStore(tmp_path)
+    vericache_with_store(cuda_llama, request(0).to("cuda"), store)
+    if damaged:
+        corrupt(cuda_llama, store, "full", lambda b: b[: len(b) // 2], layer=1)
+    slow = ThrottledStore(store, bandwidth_bytes_per_s=2e6, latency_s=0.002)
+    fixed = dict(
+        draft_schedule="fixed", draft_length=4, max_draft_length=16
+    )  # draft from the suffix's round on
+    for question in (1, 2):
+        ids = request(question).to("cuda")
+        if damaged:
+            with pytest.warns(UserWarning, match="refused"):
+                out, stats = vericache_with_store(cuda_llama, ids, slow, **fixed)
+        else:
+            out, stats = vericache_with_store(cuda_llama, ids, slow, **fixed)
+        expected = cuda_llama.generate(ids, do_sample=False, max_new_tokens=out.shape[-1] - ids.shape[-1])
+        assert torch.equal(out, expected), question
+        if question == 1 and not damaged:  # the first hit drafts while the prefix loads (no prior yet)
+            assert 0 < stats.first_draft_seconds < stats.first_token_seconds
+        assert stats.bytes_to_device > 0  # the full tier reached the GPU through the staging buffers
+        if damaged:
+            assert stats.prefix_tokens_reused < 3 * CHUNK
+            break  # the damaged chunks were refused; a later request may hit the repaired entry
+        assert stats.prefix_tokens_reused == 3 * CHUNK and stats.prefix_full_bytes > 0

@@ -344,3 +344,22 @@ def test_timeline_measures_union_and_overlap():
     assert timeline.busy_seconds("draft") == 3
     assert timeline.busy_seconds("transfer") == 2.5
     assert timeline.overlap_seconds("transfer", "draft") == 0.5
+
+
+def test_the_engines_stopping_criteria_answer_on_the_ids_device():
+    """StoppingCriteriaList ORs every criterion's answer into a tensor on the ids' device: an answer elsewhere (a CPU
+    tensor for ids on a GPU) breaks every request there. The meta device stands in for the GPU."""
+    from vericache_hf.cohort import _RowCriteria
+    from vericache_hf.engine import _Cancelled, _Request
+
+    class Failing(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise ValueError("a criterion that fails")
+
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    request = _Request.__new__(_Request)
+    request.cancelled = threading.Event()
+    assert _Cancelled(request)(ids, None).device == ids.device
+    io = type("IO", (), {"failed": None})()
+    assert _RowCriteria(io, Failing())(ids, None).device == ids.device
+    assert isinstance(io.failed, ValueError)

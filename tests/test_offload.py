@@ -13,6 +13,7 @@ import torch
 from vericache_hf import TransferError, VeriCache, VeriCacheConfig
 from vericache_hf.cache.full_tier import HostSnapshot
 from vericache_hf.cache.staging import buffer_tokens
+from vericache_hf.cache.vericache import VeriCacheLayer
 from vericache_hf.compressors import build_compressor
 
 from .conftest import no_worker_left, random_prompt, tiny_model, vericache_dict
@@ -195,6 +196,23 @@ def test_on_cpu_the_verify_pass_reads_the_full_tier_in_place_by_default(deep_lla
     stats = out.vericache_stats
     assert stats.chunk_transfers == stats.bytes_to_device == stats.peak_staging_bytes == 0
     assert out.past_key_values.transfers._last_thread is None
+
+
+@pytest.mark.parametrize("compressor", ["streaming_llm", "snapkv"])
+def test_a_model_split_between_an_accelerator_and_the_cpu_builds_every_layers_draft_tier(
+    deep_llama, monkeypatch, compressor
+):
+    """As accelerate's `device_map` splits a model between a GPU and the CPU (tests/test_cuda.py runs it on one):
+    the first layers stage their full tier as an accelerator's do and compress at prefill, the last ones read it in
+    place and defer their draft tier to the first draft. Every layer's draft tier is built, and stays exact."""
+    monkeypatch.setattr(VeriCacheLayer, "reads_in_place", property(lambda layer: layer.layer_idx >= 3))
+    ids = random_prompt(120, batch=2, seed=13)
+    config = VeriCacheConfig(compressor=compressor, compression_ratio=0.75, chunk_tokens=32, draft_length=4)
+    out = vericache_dict(deep_llama, ids, config=config, max_new_tokens=16)
+    assert torch.equal(out.sequences, stock(deep_llama, ids, max_new_tokens=16))
+    cache, stats = out.past_key_values, out.vericache_stats
+    assert all(layer.draft is not None for layer in cache.layers)
+    assert stats.accepted_tokens > 0 and stats.chunk_transfers == 3 * (stats.rounds + stats.plain_rounds)
 
 
 def test_a_transfer_failure_raises_from_generate_and_the_next_call_works(deep_llama, monkeypatch):

@@ -68,7 +68,7 @@ class _RowCriteria:
             return self.criteria(input_ids, scores, **kwargs)
         except Exception as error:  # noqa: BLE001 - the row's request fails with it
             self.io.failed = error
-            return torch.ones(input_ids.shape[0], dtype=torch.bool)
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class _RowStreamer:

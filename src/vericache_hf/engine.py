@@ -96,7 +96,9 @@ class _Cancelled(StoppingCriteria):
         self.request = request
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.request.cancelled.is_set(), dtype=torch.bool)
+        # on the ids' device: StoppingCriteriaList ORs every criterion's answer into a tensor there
+        cancelled = self.request.cancelled.is_set()
+        return torch.full((input_ids.shape[0],), cancelled, dtype=torch.bool, device=input_ids.device)
 
 
 class VeriCacheEngine:

@@ -247,6 +247,10 @@ class VeriCache(Cache):
                 yield
             finally:
                 self._capture = None
+        if 0 < len(self._unbuilt()) < len(self.layers):
+            # a model split between an accelerator and the CPU: the CPU layers deferred, the others compressed; a
+            # draft pass needs every layer's draft tier over the same tokens, so the rest are built from the prompt
+            self.build_draft_tier()
 
     def seed_prefix(self, layers: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Start the full tier with a shared prefix's exact K/V: per layer, its (1, H, n, D) pieces in order, copied
@@ -353,12 +357,16 @@ class VeriCache(Cache):
     def draft_tier_buildable(self) -> bool:
         """Whether `build_draft_tier` can build the draft tier now: from the full tier alone, or with the layer
         inputs held since the prefill (a query-aware build declined once has released them)."""
-        return self.draft_tier_rebuildable or len(self._held) == len(self.layers)
+        return self.draft_tier_rebuildable or all(layer.layer_idx in self._held for layer in self._unbuilt())
 
     @property
     def draft_tier_held(self) -> bool:
-        """False while the draft tier is deferred (see `defers_compression`) or freed, until `build_draft_tier`."""
-        return self.layers[0].draft is not None
+        """False while any layer's draft tier is deferred (see `defers_compression`; on a model split between an
+        accelerator and the CPU, only the CPU layers defer) or freed, until `build_draft_tier`."""
+        return not self._unbuilt()
+
+    def _unbuilt(self) -> list[VeriCacheLayer]:
+        return [layer for layer in self.layers if layer.draft is None]
 
     @property
     def draft_tier_rebuildable(self) -> bool:
@@ -400,9 +408,12 @@ class VeriCache(Cache):
                 self._held.clear()
                 return False
             afford = None  # paid at the price measured before, not priced again
-        priced, rest = self.layers[:2], self.layers[2:]
+        unbuilt = self._unbuilt()
+        if not unbuilt:
+            return True
+        priced, rest = unbuilt[:2], unbuilt[2:]
         seconds = min(self._build_layer(layer) for layer in priced)
-        if afford is not None and not afford(seconds * len(self.layers)):
+        if afford is not None and not afford(seconds * len(unbuilt)):
             for layer in priced:
                 layer.draft = None
             self._held.clear()
