@@ -25,6 +25,7 @@ from vericache_hf.prefix import DiskStore, ThrottledStore
 from .conftest import no_worker_left, random_prompt, tiny_model
 from .test_prefix_reuse import CHUNK, corrupt, request
 from .test_prefix_reuse import vericache as vericache_with_store
+from .test_proposers import assistant_model, repeat_tail
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -171,15 +172,11 @@ def test_engine_workers_compute_on_their_own_streams(cuda_llama):
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "assistant"])
 def test_composed_drafting_on_cuda_matches_stock(cuda_llama, proposer):
     """A proposer offers tokens, the draft tier on the GPU checks them many per pass, the full tier verifies."""
-    ids, mask = padded_batch("cuda")
-    ids, mask = (
-        torch.cat([ids, ids[:, -12:], ids[:, -12:]], 1),
-        torch.cat([mask, mask[:, -24:]], 1),
-    )  # n-grams to find
+    ids, mask = repeat_tail(*padded_batch("cuda"))
     kwargs = (
         {"prompt_lookup_num_tokens": 5}
         if proposer == "prompt_lookup"
-        else {"assistant_model": tiny_model("llama", seed=5, num_hidden_layers=1).to("cuda")}
+        else {"assistant_model": assistant_model().to("cuda")}
     )
     config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6)
     expected = cuda_llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
@@ -201,9 +198,8 @@ def test_a_reused_prefix_on_cuda_drafts_while_the_full_prefix_loads_into_pinned_
     if damaged:
         corrupt(cuda_llama, store, "full", lambda b: b[: len(b) // 2], layer=1)
     slow = ThrottledStore(store, bandwidth_bytes_per_s=2e6, latency_s=0.002)
-    fixed = dict(
-        draft_schedule="fixed", draft_length=4, max_draft_length=16
-    )  # draft from the suffix's round on
+    # draft from the suffix's round on, whatever the clock says
+    fixed = dict(draft_schedule="fixed", draft_length=4, max_draft_length=16)
     for question in (1, 2):
         ids = request(question).to("cuda")
         if damaged:

@@ -19,10 +19,14 @@ from .test_sampling import ALPHA, SAMPLING, chi_square_p
 COMPRESSORS = ["streaming_llm", "snapkv", "kivi"]
 
 
-@pytest.fixture(scope="module")
-def assistant():
+def assistant_model():
     """A different, smaller random model with the same vocabulary: its proposals are often wrong."""
     return tiny_model("llama", seed=5, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def assistant():
+    return assistant_model()
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,11 @@ def peaked():
 
 def repetitive_batch():
     """Left-padded rows that repeat themselves, so prompt lookup finds n-grams to propose."""
-    ids, mask = left_padded_batch()
+    return repeat_tail(*left_padded_batch())
+
+
+def repeat_tail(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row followed by its last 12 tokens twice: n-grams for prompt lookup to find."""
     return torch.cat([ids, ids[:, -12:], ids[:, -12:]], dim=1), torch.cat([mask, mask[:, -24:]], dim=1)
 
 
