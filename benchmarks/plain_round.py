@@ -59,8 +59,7 @@ def main() -> None:
                 )
                 stock_t.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                with cache.drafting(0):
-                    pass
+                cache.prefetch(room=1)  # as the loop's plain round: nothing drafts, the full tier is queued
                 with cache.verifying():
                     forward(model, cache, token, pos + step)
                 cache.commit(1, torch.ones(B, 1, dtype=torch.bool))

@@ -187,6 +187,18 @@ def test_composed_drafting_on_cuda_matches_stock(cuda_llama, proposer):
     assert all(layer.full.keys.is_pinned() for layer in getattr(out, CACHE_OUTPUT_FIELD).layers)
 
 
+@pytest.mark.parametrize("compressor", ["snapkv", "kivi"])
+def test_bfloat16_drafts_on_cuda_match_stock(cuda_llama, compressor):
+    """Draft steps on a bfloat16 copy of the weights on the GPU, the verify pass on the float64 model."""
+    ids, mask = padded_batch("cuda")
+    config = VeriCacheConfig(
+        compressor=compressor, chunk_tokens=32, draft_length=6, draft_schedule="fixed", draft_dtype="bfloat16"
+    )
+    expected, out = generate_both(cuda_llama, ids, mask, config)
+    assert torch.equal(out.sequences, expected)
+    assert out.vericache_stats.draft_forwards > 0 and out.vericache_stats.chunk_transfers > 0
+
+
 @pytest.mark.parametrize("damaged", [False, True])
 def test_a_reused_prefix_on_cuda_drafts_while_the_full_prefix_loads_into_pinned_memory(
     cuda_llama, tmp_path, damaged

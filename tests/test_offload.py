@@ -260,6 +260,17 @@ def test_the_gpu_benchmark_runs_its_cpu_dry_run(tmp_path):
     assert json.loads(out.read_text()) == rows
 
 
+def test_the_gpu_pass_width_benchmark_runs_its_cpu_dry_run(tmp_path):
+    rows = benchmark("gpu_pass_width").main(["--dry-run", "--out", str(tmp_path / "rows.json")])
+    widths = [row["width"] for row in rows if row["pass_"] == "draft tier"]
+    assert widths == [1, 2, 4, 8, 11, 11, 8, 4, 2, 1] and all(row["ms"] > 0 for row in rows)
+    assert [row["pass_"] for row in rows if row["model"] == "float32"] == [
+        "draft tier, own",
+        "draft tier, bf16 copy",
+    ]
+    assert json.loads((tmp_path / "rows.json").read_text())["rows"] == rows
+
+
 def test_generate_under_inference_mode_matches_stock():
     """The transfer worker writes into buffers the caller made, also when the caller runs under inference_mode."""
     model = tiny_model("llama")

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
+from .draft_model import resolve_dtype
 
 DRAFT_SCHEDULES = ("auto", "cost_aware", "adaptive", "fixed")
 
@@ -53,6 +54,11 @@ class VeriCacheConfig:
         proposal_length: most tokens one proposal offers (`prompt_lookup_num_tokens` overrides it). How many the draft
             tier checks is chosen as it goes, from the measured pass time and how many it keeps, 0 when they do not
             pay (always `proposal_length` under the fixed draft schedule).
+        draft_dtype: the float type of the draft tier's weights and K/V (`"bfloat16"`, `"float16"`, or the torch
+            dtype). Draft steps then run on a copy of the model's weights cast to it, made once per model and shared
+            by every call: where decoding is bound by memory bandwidth they read half the bytes of a float32 step.
+            The verify pass keeps the model's own weights and precision, so the output is unchanged; only how many
+            drafts agree with it can. None drafts with the model itself.
         prefix_store: a `vericache_hf.prefix` store (`DiskStore`, `RedisStore`) that prompt prefixes are saved to
             and reused from: a prompt whose leading chunks were stored starts drafting on their compressed KV at once
             while the exact KV streams in behind, and its first verify pass prefills the rest of the prompt exactly.
@@ -81,6 +87,7 @@ class VeriCacheConfig:
     refresh: Any = None
     proposer: Any = None
     proposal_length: int = 10
+    draft_dtype: Any = None
     prefix_store: Any = None
     prefix_chunk_tokens: int = 256
     emulated_link_bytes_per_s: float | None = None
@@ -107,6 +114,8 @@ class VeriCacheConfig:
                 f"proposer must be None, 'prompt_lookup' or an assistant model (a transformers causal LM), "
                 f"got {self.proposer!r}."
             )
+        if self.draft_dtype is not None:  # kept as its name, so that the config saves as JSON
+            self.draft_dtype = str(resolve_dtype(self.draft_dtype)).removeprefix("torch.")
         if self.prefix_store is not None:
             from .prefix.store import PrefixStore
 

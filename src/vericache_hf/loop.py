@@ -84,6 +84,7 @@ class DecodeIO:
     prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
     shared: SharedPrefixes | None = None  # an engine's kept prefixes: seed the prefill, keep this prompt's
     timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
+    drafter: torch.nn.Module | None = None  # `draft_dtype`'s copy of the model, for draft-tier passes
     started: float = 0.0  # perf_counter() when decoding started
     failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
 
@@ -480,12 +481,15 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     """The round's drafts ((B, k) tokens and, when sampling, their probabilities): k steps on the draft tier (more
     while a prefix loads), a plain round's proposals to verify on the full tier, or nothing."""
     started = time.perf_counter()
+    drafter = io.drafter if io.drafter is not None else model
     # draft on while the full prefix loads
     most = min(schedule.high, turn.room - 1) if turn.loading else turn.k
     if most and not cache.draft_tier_held:  # the first draft after a deferring prefill, or after a free
         remaining = None if turn.loading else turn.room
         # a query-aware tier whose build was declined cannot be built again: its rounds stay plain
-        if not cache.draft_tier_buildable or not build_for_drafting(model, cache, schedule, remaining):
+        if not cache.draft_tier_buildable or not build_for_drafting(
+            model, cache, schedule, remaining, drafter
+        ):
             most = turn.k = 0  # drafting could not repay the build: the round turns plain
         started = time.perf_counter()  # a draft step's cost leaves the build out (compress_seconds)
     # a plain round (k = 0) still verifies the proposer's tokens, as classic speculative decoding does
@@ -495,7 +499,7 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     if most:
         with cache.drafting(most):  # the full tier streams in meanwhile
             more = io.prefix.keep_drafting if turn.loading else None
-            drafts, draft_probs = draft(model, cache, pending, positions, turn.k, io, seqs, more, most)
+            drafts, draft_probs = draft(drafter, cache, pending, positions, turn.k, io, seqs, more, most)
     else:  # a plain round: nothing runs on the draft tier; the full tier starts streaming in for the pass
         block = pending if turn.suffix else pending[:, None]
         drafts = turn.offered[0] if turn.offered is not None else block.new_empty((block.shape[0], 0))
@@ -509,13 +513,17 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     return drafts, draft_probs
 
 
-def build_for_drafting(model, cache: VeriCache, schedule: DraftLengthSchedule, remaining: int | None) -> bool:
+def build_for_drafting(
+    model, cache: VeriCache, schedule: DraftLengthSchedule, remaining: int | None, drafter=None
+) -> bool:
     """Build the draft tier for a drafted round, unless the schedule finds it dearer than drafting could save over
     the `remaining` tokens (None: build). Its price is what the schedule measured, or before any build, the faster
     of the first two layers' times, per layer (see `VeriCache.build_draft_tier`). Returns whether it was built; a
     query-aware compressor's held layer inputs go with a refusal."""
     started = time.perf_counter()
-    afford = partial(schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache))
+    afford = partial(
+        schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache, drafter)
+    )
     built = cache.build_draft_tier(afford, schedule.build_price)
     if built:
         schedule.observe_build(time.perf_counter() - started)
@@ -524,14 +532,19 @@ def build_for_drafting(model, cache: VeriCache, schedule: DraftLengthSchedule, r
     return built
 
 
-def draft_share(model, cache: VeriCache) -> float | None:
-    """The share of a plain step that a draft step cannot avoid, by bytes read: the model's weights against weights
-    plus the full tier, which a plain step reads and a draft step does not. None where the full tier is not read in
-    place: bytes over a host link are no measure of its time."""
+def draft_share(model, cache: VeriCache, drafter=None) -> float | None:
+    """The share of a plain step that a draft step cannot avoid, by bytes read: the drafting weights (the model's,
+    or `draft_dtype`'s narrower copy) against the model's weights plus the full tier, which a plain step reads and a
+    draft step does not. None where the full tier is not read in place: bytes over a host link are no measure of
+    its time."""
     if not cache.reads_in_place():
         return None
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights / (weights + cache.full_tier_bytes())
+
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    weights = size(model)
+    return size(drafter if drafter is not None else model) / (weights + cache.full_tier_bytes())
 
 
 def verify_round(

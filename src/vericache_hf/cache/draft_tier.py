@@ -48,6 +48,11 @@ class DraftStore(ABC):
     def nbytes(self) -> int:
         """Device bytes of the committed representation."""
 
+    def to_dtype(self, dtype: torch.dtype) -> bool:
+        """Hold the K/V in `dtype` from now on (a drafting model of another float type); False if this store
+        cannot, and its reads must be cast instead."""
+        return False
+
     def export(self) -> dict[str, torch.Tensor]:
         """The committed state as named tensors (copies), each with the batch as its first dimension, for a prefix
         store; the compressor's `restore` reads it back. Stores that cannot be exported say so."""
@@ -81,6 +86,11 @@ class TokenStore(DraftStore):
     @property
     def valid(self) -> torch.Tensor:
         return self.valid_slots[:, : self.length]
+
+    def to_dtype(self, dtype: torch.dtype) -> bool:
+        if self.keys.dtype != dtype:
+            self.keys, self.values = self.keys.to(dtype), self.values.to(dtype)
+        return True
 
     def _reserve(self, needed: int) -> None:
         capacity = self.keys.shape[-2]

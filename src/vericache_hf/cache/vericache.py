@@ -84,7 +84,7 @@ class VeriCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         phase = self.owner.phase
         if phase == "drafting":
-            return self.draft.extend_draft(key_states, value_states)
+            return self._draft(key_states, value_states)
         if phase == "verifying":
             return self._verify(key_states, value_states)
         if phase == "prefilling":
@@ -119,6 +119,14 @@ class VeriCacheLayer(CacheLayerMixin):
         self.draft = owner.compressor.compress(keys, values, context)
         owner.stats.compress_seconds += time.perf_counter() - started
         return keys, values
+
+    def _draft(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft tier then the drafted tokens. A drafting model of another float type (`draft_dtype`) gets
+        them in its own: a store that can converts itself once, any other is cast each pass."""
+        if not self.draft.to_dtype(keys.dtype):
+            keys_read, values_read = self.draft.extend_draft(keys, values)
+            return keys_read.to(keys.dtype), values_read.to(values.dtype)
+        return self.draft.extend_draft(keys, values)
 
     def _verify(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The full tier then the q new tokens, as one tensor each; the new tokens are kept as pending."""

@@ -97,6 +97,14 @@ def add_bench_command(subparsers) -> None:
         "(hierarchical drafting: prompt lookup proposes, the draft tier checks, the full tier verifies)",
     )
     parser.add_argument(
+        "--draft-dtypes",
+        type=comma_list(choices=("model", "bfloat16", "float16", "float32", "float64")),
+        metavar="NAME,...",
+        default="model",
+        help="VeriCache once per draft-tier float type, side by side: model (the model's own weights) and a float "
+        "type such as bfloat16 (drafts on a copy of the weights in it; the verify pass keeps the model's)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="interleaved timing repeats (medians are reported)"
     )
     parser.add_argument(
@@ -147,12 +155,15 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
 #: Settings that change what a workload's rows mean; a resumed run must share them with the saved one.
 RESUME_KEYS = (
     "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "draft_schedules",
-    "repeats", "peers", "no_peers", "proposers", "no_lossy", "paired",
+    "repeats", "peers", "no_peers", "proposers", "no_lossy", "paired", "draft_dtypes",
 )  # fmt: skip
 
 
 #: What files written before a key of RESUME_KEYS existed were made with.
-BEFORE_THE_KEY = {"draft_schedules": ["adaptive"], "proposers": ["none"], "no_lossy": False, "paired": False}
+BEFORE_THE_KEY = {
+    "draft_schedules": ["adaptive"], "proposers": ["none"], "no_lossy": False, "paired": False,
+    "draft_dtypes": ["model"],
+}  # fmt: skip
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -292,6 +303,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         draft_schedules=args.draft_schedules,
         proposers=args.proposers,
         lossy=not args.no_lossy,
+        draft_dtypes=args.draft_dtypes,
     )
     settings = run_settings(args)
     settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})

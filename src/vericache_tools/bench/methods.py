@@ -41,6 +41,7 @@ class Method:
     draft_length: int = 8
     draft_schedule: str | None = None  # None: VeriCacheConfig's default
     proposer: str | None = None  # VeriCache's proposer ("prompt_lookup"), None: the draft tier alone
+    draft_dtype: str | None = None  # VeriCache's draft-tier float type ("bfloat16"), None: the model's own
     lookup_tokens: int = 10
     early_exit_layers: int = 8
 
@@ -52,6 +53,10 @@ class Method:
             raise ValueError(f"A {self.family} method needs a compressor and a compression_ratio.")
         if self.proposer is not None and (self.family != "vericache" or self.proposer not in PROPOSERS):
             raise ValueError(f"Only VeriCache takes a proposer, one of {PROPOSERS}; got {self.proposer!r}.")
+        if self.draft_dtype is not None and self.family != "vericache":
+            raise ValueError(
+                f"Only VeriCache takes a draft_dtype; got {self.draft_dtype!r} for {self.family}."
+            )
 
     @property
     def name(self) -> str:
@@ -60,7 +65,8 @@ class Method:
         if self.family == "vericache":
             schedule = f" [{self.draft_schedule}]" if self.draft_schedule else ""
             proposer = " + prompt lookup" if self.proposer else ""
-            return f"VeriCache {self.compressor}@{self.compression_ratio:g}{proposer}{schedule}"
+            dtype = f", {self.draft_dtype} drafts" if self.draft_dtype else ""
+            return f"VeriCache {self.compressor}@{self.compression_ratio:g}{dtype}{proposer}{schedule}"
         if self.family == "prompt_lookup":
             return f"HF prompt lookup ({self.lookup_tokens})"
         if self.family == "early_exit":
@@ -103,6 +109,7 @@ class Method:
                 draft_length=self.draft_length,
                 proposer=self.proposer,
                 proposal_length=self.lookup_tokens,
+                draft_dtype=self.draft_dtype,
                 stats=stats,
                 **({"draft_schedule": self.draft_schedule} if self.draft_schedule else {}),
             )
@@ -145,11 +152,13 @@ def build_methods(
     draft_schedules: list[str] | None = None,
     proposers: list[str] | None = None,
     lossy: bool = True,
+    draft_dtypes: list[str] | None = None,
 ) -> list[Method]:
     """Full cache first (the reference), then compressed-only (unless `lossy` is False: a run that measures only
     whether VeriCache is ever slower needs no lossy baseline) and VeriCache for each compressor and ratio (one
     VeriCache per schedule in `draft_schedules`, None: the config's default; and per entry of `proposers`, "none"
-    being VeriCache alone, None: ["none"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
+    being VeriCache alone, None: ["none"]; and per entry of `draft_dtypes`, "model" drafting with the model's own
+    weights, None: ["model"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
     chosen = list(PEERS) if peers is True else list(peers or [])
     unknown = [name for name in chosen if name not in PEERS]
     if unknown:
@@ -162,6 +171,9 @@ def build_methods(
     unknown = [name for name in proposers or [] if name != "none" and name not in PROPOSERS]
     if unknown:
         raise ValueError(f"Unknown proposer(s) {unknown}; choose from {('none', *PROPOSERS)}.")
+    for name in draft_dtypes or []:
+        if name != "model":
+            VeriCacheConfig(draft_dtype=name)  # the config refuses a type that is not a float
     check_pairs(compressors, ratios)
     methods = [Method("full")]
     for compressor in compressors:
@@ -169,7 +181,17 @@ def build_methods(
             if lossy:
                 methods.append(Method("lossy", compressor, ratio))
             for schedule in draft_schedules or [None]:
-                for proposer in proposers or ["none"]:
-                    proposer = None if proposer == "none" else proposer
-                    methods.append(Method("vericache", compressor, ratio, draft_length, schedule, proposer))
+                for dtype in draft_dtypes or ["model"]:
+                    for proposer in proposers or ["none"]:
+                        methods.append(
+                            Method(
+                                "vericache",
+                                compressor,
+                                ratio,
+                                draft_length,
+                                schedule,
+                                None if proposer == "none" else proposer,
+                                None if dtype == "model" else dtype,
+                            )
+                        )
     return methods + [Method(name) for name in chosen]

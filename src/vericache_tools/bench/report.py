@@ -94,6 +94,8 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
         row["draft_schedule"] = method.draft_schedule
     if method.proposer:
         row["proposer"] = method.proposer
+    if method.draft_dtype:
+        row["draft_dtype"] = method.draft_dtype
     if any(s.skipped for s in group):
         row["na"] = group[0].skipped
         for key in ("tokens_per_s", "decode_tokens_per_s", "identical_share"):
