@@ -17,7 +17,7 @@ from vericache_hf.prefix import DiskStore
 from .conftest import random_prompt, tiny_model
 from .test_generate_parity import left_padded_batch
 from .test_prefix_reuse import CHUNK, request, stock, vericache
-from .test_proposers import repeat_tail
+from .test_proposers import generate_both, repeat_tail
 from .test_sampling import PROMPT, assert_same_distribution, sample_both
 from .test_threads import model_state, run_threads
 
@@ -38,27 +38,13 @@ def counted(module):
         handle.remove()
 
 
-def greedy_pair(model, ids, config, **kwargs):
-    stock = model.generate(ids, do_sample=False, max_new_tokens=30, **kwargs)
-    ours = model.generate(
-        ids,
-        do_sample=False,
-        max_new_tokens=30,
-        generation_mode="vericache",
-        vericache_config=config,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
-    return stock, ours
-
-
 @pytest.mark.parametrize("compressor", ["snapkv", "streaming_llm", "kivi"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_narrow_drafts_on_a_padded_batch_match_stock(llama, compressor, dtype):
     ids, mask = left_padded_batch()
     config = VeriCacheConfig(compressor=compressor, draft_dtype=dtype, draft_schedule="fixed", draft_length=5)
     with counted(draft_model(llama, getattr(torch, dtype))) as calls:
-        stock, ours = greedy_pair(llama, ids, config, attention_mask=mask)
+        stock, ours = generate_both(llama, ids, config, attention_mask=mask, max_new_tokens=30)
     assert torch.equal(ours.sequences, stock), (compressor, dtype)
     stats = ours.vericache_stats
     # every draft step ran on the narrow copy, and some of its drafts were kept
@@ -76,17 +62,7 @@ def test_narrow_drafts_composed_with_a_proposer_match_stock(llama, proposer):
     config = VeriCacheConfig(
         compressor="snapkv", draft_dtype="bfloat16", draft_schedule="fixed", draft_length=6
     )
-    stock = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    ours = llama.generate(
-        ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=30,
-        generation_mode="vericache",
-        vericache_config=config,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
+    stock, ours = generate_both(llama, ids, config, attention_mask=mask, max_new_tokens=30, **kwargs)
     assert torch.equal(ours.sequences, stock)
     assert ours.vericache_stats.proposed_tokens > 0
 
