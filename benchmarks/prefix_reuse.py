@@ -8,6 +8,7 @@ Three ways to answer, side by side in one run:
 - compressed-first: VeriCache with `prefix_store`: fetch the compressed draft tier (snapkv, 1/8 of the KV), draft at
   once while the full KV streams in behind, and let the first verify pass prefill the suffix exactly.
 
+With `--draft-dtype bfloat16`, each compressed-first way also runs drafting on a bfloat16 copy of the weights.
 With `--proposer prompt_lookup`, compressed-first also runs composed with prompt lookup proposing to the draft tier
 (issue 23), against the same full-first. Full-first does not run with transformers' own prompt lookup: in
 transformers 5.24-5.25, assisted decoding's first pass feeds the whole prompt again on top of a cache passed in
@@ -44,6 +45,21 @@ from vericache_tools.redis_server import running_redis, server_binary
 from vericache_tools.report import save_results
 
 PROMPT_LOOKUP = " + prompt lookup"
+
+
+def ways(args) -> list[tuple[str, dict]]:
+    """Compressed-first's variants in a run: (method suffix, config changes); alone first."""
+    out = [("", {})]
+    if args.proposer == "prompt_lookup":
+        out.append((PROMPT_LOOKUP, {"proposer": "prompt_lookup"}))
+    if args.draft_dtype:
+        out += [
+            (f"{suffix}, {args.draft_dtype} drafts", {**changes, "draft_dtype": args.draft_dtype})
+            for suffix, changes in list(out)
+        ]
+    return out
+
+
 LINKS = {"1": (1e9, 2e-3), "5": (5e9, 0.5e-3), "25": (25e9, 0.2e-3)}  # Gbit/s: (bit/s, latency per request)
 
 
@@ -98,6 +114,12 @@ def main() -> None:
         default="none",
         help="also run both ways composed with it",
     )
+    parser.add_argument(
+        "--draft-dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="also run compressed-first (and composed) drafting on a copy of the weights in this type",
+    )
     parser.add_argument("--out", default="docs/bench-prefix")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -125,9 +147,6 @@ def cell(model, ids, store, prefix_tokens, backend, config, fingerprint, new, ar
     """One request answered by recompute, then by full-first and compressed-first over each link."""
     reference, ttft, total = timed(lambda streamer: model.generate(ids, streamer=streamer, **new))
     rows = [row("recompute", backend, prefix_tokens, "-", ttft, total, True, args)]
-    ways = [("", {})]
-    if args.proposer == "prompt_lookup":
-        ways.append((PROMPT_LOOKUP, {"proposer": "prompt_lookup"}))
     for gbit in args.gbits.split(","):
         bandwidth, latency = LINKS[gbit]
         link = ThrottledStore(store, bandwidth / 8, latency)
@@ -141,7 +160,7 @@ def cell(model, ids, store, prefix_tokens, backend, config, fingerprint, new, ar
         out, ttft, total = timed(full_first)
         same = torch.equal(out, reference)
         rows.append(row("full-first", backend, prefix_tokens, gbit, ttft, total, same, args))
-        for suffix, composed in ways:
+        for suffix, composed in ways(args):
             stats = VeriCacheStats()
             vericache = VeriCacheConfig(**{**config, **composed, "prefix_store": link}, stats=stats)
             out, ttft, total = timed(
@@ -219,7 +238,7 @@ def report(rows: list[dict], out: Path, args) -> None:
         "",
         *header,
     ]
-    suffixes = [""] + ([PROMPT_LOOKUP] if args.proposer == "prompt_lookup" else [])
+    suffixes = [suffix for suffix, _ in ways(args)]
     for suffix in suffixes:
         if suffix:
             lines += ["", f"Compressed-first{suffix}, against the same full-first:", "", *header]

@@ -99,6 +99,8 @@ def test_one_copy_per_model_and_type_shared_by_threads_and_the_model_untouched(l
     assert not errors and len({id(c) for c in copies}) == 1
     narrow = copies[0]
     assert narrow is not llama and {p.dtype for p in narrow.parameters()} == {torch.bfloat16}
+    # on the CPU the copy attends eagerly (sdpa is slow there for one half-precision query); the model does not
+    assert narrow.config is not llama.config and narrow.config._attn_implementation == "eager"
     # the rotary frequencies stay in the model's precision: bfloat16 ones would turn long positions far off
     assert narrow.model.rotary_emb.inv_freq.dtype == llama.model.rotary_emb.inv_freq.dtype == torch.float64
     tied = llama.lm_head.weight is llama.model.embed_tokens.weight
