@@ -19,7 +19,7 @@ import weakref
 import torch
 from torch import nn
 
-_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[torch.dtype, nn.Module]] = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -54,15 +54,20 @@ def check_narrowable(model: nn.Module, dtype: torch.dtype) -> None:
 
 def draft_model(model: nn.Module, dtype: torch.dtype | None) -> nn.Module | None:
     """The module that runs draft-tier passes: None (the model itself) when `dtype` is None or already the model's,
-    else the shared copy of `model` with its parameters in `dtype`."""
+    else the shared copy of `model` with its parameters in `dtype`, on the model's device (a model moved since gets
+    a new copy). Weights changed in place after the copy was made leave it stale: drafts then agree less often, and
+    the output, verified by the model itself, stays the same."""
     if dtype is None or dtype == model.dtype:
         return None
+    key = (dtype, str(model.device))
     with _LOCK:
         copies = _COPIES.setdefault(model, {})
-        if dtype not in copies:
+        if key not in copies:
             check_narrowable(model, dtype)
-            copies[dtype] = _narrowed(model, dtype)
-        return copies[dtype]
+            for stale in [k for k in copies if k[1] != key[1]]:  # copies on a device the model left
+                del copies[stale]
+            copies[key] = _narrowed(model, dtype)
+        return copies[key]
 
 
 def _narrowed(model: nn.Module, dtype: torch.dtype) -> nn.Module:
