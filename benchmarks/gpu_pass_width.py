@@ -100,9 +100,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row("bfloat16", "full KV", args.context, width, pass_ms(model, full, args.batch, width, device))
     del full
     draft = cache_of(model, args.batch, draft_tokens, device, torch.bfloat16)
-    for sweep in range(
-        args.sweeps
-    ):  # a second sweep, in reverse, tells a width's cost from the clock's warm-up
+    # a second sweep, in reverse, tells a width's cost from the clock's warm-up
+    for sweep in range(args.sweeps):
         for width in WIDTHS if sweep % 2 == 0 else WIDTHS[::-1]:
             row(
                 "bfloat16",

@@ -30,7 +30,7 @@ from .cache import rows
 from .cache.vericache import VeriCache
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
-from .draft_model import draft_model, resolve_dtype
+from .draft_model import draft_model
 from .loop import DecodeIO, Decoding, Sequences, record_sizes, run_round
 from .stats import VeriCacheStats
 
@@ -139,7 +139,7 @@ class Cohort:
             do_sample=do_sample,
             timeline=config.timeline,
             started=time.perf_counter(),
-            drafter=draft_model(model, resolve_dtype(config.draft_dtype)),
+            drafter=draft_model(model, config.draft_dtype),
         )
 
     def admit(self, joining: list[Member]) -> None:

@@ -22,7 +22,7 @@ from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, ProposalLength, draft_length_schedule
-from .draft_model import draft_model, resolve_dtype
+from .draft_model import draft_model
 from .loop import DecodeIO, Sequences, begin, decode, prefill_prefix, run_round
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
@@ -109,7 +109,7 @@ def generate(
         prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
         shared=vericache_prefixes if config.prefix_store is None else None,
         timeline=config.timeline,
-        drafter=draft_model(model, resolve_dtype(config.draft_dtype)),
+        drafter=draft_model(model, config.draft_dtype),
     )
     settings = _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(
@@ -159,7 +159,8 @@ def _joins_cohorts(input_ids: torch.Tensor, io: DecodeIO, generation_config: Gen
 
 def _schedule_key(config: VeriCacheConfig, input_ids: torch.Tensor, proposer) -> tuple:
     """What a cost-aware schedule's measurements depend on besides the model: the compressor and its settings,
-    the proposer, the draft tier's float type, the bounds on the length, the batch size and the context's scale (a power of two)."""
+    the proposer, the draft tier's float type, the bounds on the length, the batch size and the context's scale
+    (a power of two)."""
     spec = config.compressor
     parts = spec if isinstance(spec, (list, tuple)) else [spec]
     return (

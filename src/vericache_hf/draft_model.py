@@ -5,7 +5,7 @@ memory bandwidth, weights are most of its cost (on the 2-core CPU here a batch-4
 80 ms in float32 and 39 ms in bfloat16). Drafting with a bfloat16 copy of the same weights halves that read; the
 full tier's verify pass keeps the model's own weights and precision, so what is emitted does not change.
 
-The copy is made once per model and dtype and shared by every call (under a lock); the model is never modified.
+The copy is made once per model, dtype and device, and shared by every call (under a lock); the model is never modified.
 Its buffers (the rotary frequencies) stay in the model's precision: a bfloat16 frequency is off by up to 0.4%,
 which at position 8000 turns the fastest rotation by tens of radians.
 """
@@ -52,11 +52,12 @@ def check_narrowable(model: nn.Module, dtype: torch.dtype) -> None:
         )
 
 
-def draft_model(model: nn.Module, dtype: torch.dtype | None) -> nn.Module | None:
-    """The module that runs draft-tier passes: None (the model itself) when `dtype` is None or already the model's,
-    else the shared copy of `model` with its parameters in `dtype`, on the model's device (a model moved since gets
-    a new copy). Weights changed in place after the copy was made leave it stale: drafts then agree less often, and
-    the output, verified by the model itself, stays the same."""
+def draft_model(model: nn.Module, name: str | torch.dtype | None) -> nn.Module | None:
+    """The module that runs draft-tier passes: None (the model itself) when `name` (`draft_dtype`) is None or
+    already the model's type, else the shared copy of `model` with its parameters in that type, on the model's
+    device (a model moved since gets a new copy). Weights changed in place after the copy was made leave it stale:
+    drafts then agree less often, and the output, verified by the model itself, stays the same."""
+    dtype = resolve_dtype(name)
     if dtype is None or dtype == model.dtype:
         return None
     key = (dtype, str(model.device))
