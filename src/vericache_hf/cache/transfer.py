@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..background import run_ops_alone
 from ..checks import check_seconds
 from ..timeline import Timeline
 from .full_tier import HostKVStore, HostSnapshot
@@ -273,6 +274,7 @@ class TransferEngine:
             self._thread.start()
 
     def _work(self) -> None:
+        run_ops_alone()
         while True:
             with self._lock:
                 if not self._queue:

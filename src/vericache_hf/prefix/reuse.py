@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache
 
+from ..background import run_ops_alone
 from ..cache.compressor import Compressor
 from ..cache.vericache import VeriCache
 from ..compat import cache_kwargs
@@ -146,6 +147,7 @@ class PrefixReuse:
         """The loader thread: append each layer's prefix to its host full tier as it arrives, layer by layer, and
         tell the cache, so that a verify pass can run behind the load."""
         length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
+        run_ops_alone()
         # this thread's own CPU time: what the load takes from drafting on a small CPU
         cpu_started = time.thread_time()
         try:

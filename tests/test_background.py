@@ -1,0 +1,109 @@
+"""The library's background threads run torch's CPU ops on themselves alone (`vericache_hf.background`), so that
+their OpenMP teams never outnumber the cores and slow the decoding thread; the caller's setting stays its own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vericache_hf.background import run_ops_alone
+from vericache_hf.cache.transfer import TransferEngine
+from vericache_hf.prefix import DiskStore, flush
+
+from .test_prefix_reuse import request, stock, vericache
+from .test_transfer import filled_store
+
+
+@pytest.fixture
+def two_threads():
+    """The caller's thread at two torch threads (what a 2-core CI machine has), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def in_thread(target, name: str = "plain") -> object:
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("value", target()), name=name)
+    thread.start()
+    thread.join(timeout=30)
+    return out["value"]
+
+
+class WidthNotingStore(DiskStore):
+    """A directory store that notes, per thread that reads or writes it, how many threads torch's ops use there."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.widths: dict[str, int] = {}
+
+    def _note(self) -> None:
+        self.widths[threading.current_thread().name] = torch.get_num_threads()
+
+    def get(self, key):
+        self._note()
+        return super().get(key)
+
+    def get_many(self, keys):
+        self._note()
+        return super().get_many(keys)
+
+    def put(self, key, value):
+        self._note()
+        return super().put(key, value)
+
+    def put_many(self, items):
+        self._note()
+        return super().put_many(items)
+
+
+def test_run_ops_alone_narrows_only_the_calling_thread(two_threads):
+    def alone() -> int:
+        run_ops_alone()
+        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()  # a parallel op after it stays on this thread
+        return torch.get_num_threads()
+
+    assert in_thread(alone) == 1
+    assert torch.get_num_threads() == 2  # the caller's setting is untouched
+    assert in_thread(torch.get_num_threads) == 2  # and so is what a new thread starts with
+
+
+def test_the_prefix_writer_loader_and_reader_threads_run_alone(tmp_path, two_threads):
+    from .conftest import small_model
+
+    model = small_model()
+    store = WidthNotingStore(tmp_path / "store")
+    ids = request(1)
+    vericache(model, ids, store)  # saves the prefix, behind decoding
+    flush(store)
+    out, stats = vericache(model, request(2), store)  # reuses it: compressed first, the full tier behind
+    assert stats.prefix_tokens_reused > 0
+    assert torch.equal(out, stock(model, request(2)))
+    background = {name: width for name, width in store.widths.items() if name != "MainThread"}
+    assert any(name.startswith("vericache-prefix-writer") for name in background), store.widths
+    assert any(name.startswith("vericache-prefix-") and "writer" not in name for name in background), (
+        store.widths
+    )
+    assert set(background.values()) == {1}, store.widths
+    assert torch.get_num_threads() == 2
+
+
+def test_the_transfer_worker_runs_alone(two_threads):
+    widths = []
+
+    class Noting(TransferEngine):
+        def _copy(self, transfer, freed) -> None:
+            widths.append(torch.get_num_threads())
+            super()._copy(transfer, freed)
+
+    engine = Noting(num_buffers=1, timeout=10)
+    store, keys, _ = filled_store(40)
+    transfer = engine.submit(store, "cpu")
+    got_keys, _ = engine.wait(transfer)
+    assert torch.equal(got_keys[:, :, :40], keys)
+    engine.release(transfer)
+    assert widths == [1] and torch.get_num_threads() == 2
