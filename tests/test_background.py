@@ -26,9 +26,9 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def in_thread(target, name: str = "plain") -> object:
+def in_thread(target) -> object:
     out = {}
-    thread = threading.Thread(target=lambda: out.setdefault("value", target()), name=name)
+    thread = threading.Thread(target=lambda: out.setdefault("value", target()))
     thread.start()
     thread.join(timeout=30)
     return out["value"]

@@ -14,23 +14,21 @@ threads and any other are untouched.
 
 from __future__ import annotations
 
-import threading
+from functools import cache
 
 import torch
 from threadpoolctl import ThreadpoolController
 
-_lock = threading.Lock()
-_controller: ThreadpoolController | None = None
+
+@cache
+def _libraries() -> ThreadpoolController:
+    """The loaded OpenMP (and BLAS) libraries: finding them takes a few ms, so once per process."""
+    return ThreadpoolController()
 
 
 def run_ops_alone() -> None:
     """Make the calling thread run torch's CPU ops on itself, without an OpenMP team; call it first thing in a
     background thread. Only this thread's OpenMP setting changes."""
-    global _controller
     # torch sets a thread's OpenMP width on the thread's first parallel op, over anything set before: do that first
     torch.get_num_threads()
-    with _lock:
-        if _controller is None:  # finding the loaded OpenMP libraries takes a few ms: once per process
-            _controller = ThreadpoolController()
-        controller = _controller
-    controller.limit(limits=1, user_api="openmp")
+    _libraries().limit(limits=1, user_api="openmp")

@@ -146,8 +146,8 @@ class PrefixReuse:
     def _load_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
         """The loader thread: append each layer's prefix to its host full tier as it arrives, layer by layer, and
         tell the cache, so that a verify pass can run behind the load."""
-        length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
         run_ops_alone()
+        length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
         # this thread's own CPU time: what the load takes from drafting on a small CPU
         cpu_started = time.thread_time()
         try:
