@@ -1,11 +1,13 @@
-"""What one draft step costs inside the loop, with the model's own weights and with `draft_dtype="bfloat16"`:
-SmolLM2-135M's shapes with random weights (seed 0), fp32, a 2048-token prompt at batch 4, SnapKV at 0.5 (a
-1024-token draft tier, as at 8k tokens and 0.875), 8 drafts a round (fixed), 40 new tokens. One call each, not
-interleaved; drafts are verified as always, so both calls decode the same tokens.
+"""What one draft step costs inside the loop, per draft-tier setting: the model's own weights or `draft_dtype=
+"bfloat16"`, each with `draft_matmul="stock"` and `"measured"`. SmolLM2-135M's shapes with random weights (seed 0),
+fp32, a 2048-token prompt at batch 4 (`--batch`), SnapKV at 0.5 (a 1024-token draft tier, as at 8k tokens and
+0.875), 8 drafts a round (fixed), 40 new tokens. The settings take turns for `--repeats` rounds (the first also
+measures the layouts); drafts are verified as always, so every call decodes the same tokens.
 
-    python benchmarks/draft_step.py
+    python benchmarks/draft_step.py [--batch 4] [--repeats 2]
 """
 
+import argparse
 import os
 import time
 
@@ -16,40 +18,49 @@ from plain_round import smollm2_shaped
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
 
+SETTINGS = [(None, "stock"), (None, "measured"), ("bfloat16", "stock"), ("bfloat16", "measured")]
+
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
     model = smollm2_shaped()
-    ids = torch.randint(0, 49152, (4, 2048), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 49152, (args.batch, 2048), generator=torch.Generator().manual_seed(0))
     outputs = []
-    for dtype in (None, "bfloat16"):
-        stats = VeriCacheStats()
-        config = VeriCacheConfig(
-            compressor="snapkv",
-            compression_ratio=0.5,
-            draft_schedule="fixed",
-            draft_length=8,
-            draft_dtype=dtype,
-            stats=stats,
-        )
-        started = time.perf_counter()
-        outputs.append(
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=40,
-                min_new_tokens=40,
-                do_sample=False,
-                generation_mode="vericache",
-                vericache_config=config,
+    for repeat in range(args.repeats):
+        for dtype, matmul in SETTINGS:
+            stats = VeriCacheStats()
+            config = VeriCacheConfig(
+                compressor="snapkv",
+                compression_ratio=0.5,
+                draft_schedule="fixed",
+                draft_length=8,
+                draft_dtype=dtype,
+                draft_matmul=matmul,
+                stats=stats,
             )
-        )
-        print(
-            f"draft_dtype={dtype}: draft step {1000 * stats.draft_seconds / stats.draft_forwards:.0f} ms "
-            f"({stats.draft_forwards} steps), verify pass {1000 * stats.verify_seconds / stats.rounds:.0f} ms, "
-            f"call {time.perf_counter() - started:.1f} s",
-            flush=True,
-        )
-    print("same tokens:", torch.equal(*outputs))
+            started = time.perf_counter()
+            outputs.append(
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=40,
+                    min_new_tokens=40,
+                    do_sample=False,
+                    generation_mode="vericache",
+                    vericache_config=config,
+                )
+            )
+            print(
+                f"repeat {repeat} draft_dtype={dtype} draft_matmul={matmul}: draft step "
+                f"{1000 * stats.draft_seconds / stats.draft_forwards:.0f} ms ({stats.draft_forwards} steps), "
+                f"verify pass {1000 * stats.verify_seconds / stats.rounds:.0f} ms, "
+                f"call {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
+    print("same tokens:", all(torch.equal(outputs[0], out) for out in outputs))
 
 
 if __name__ == "__main__":

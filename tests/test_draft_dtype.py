@@ -105,7 +105,7 @@ def test_one_copy_per_model_and_type_shared_by_threads_and_the_model_untouched(l
     assert narrow.model.rotary_emb.inv_freq.dtype == llama.model.rotary_emb.inv_freq.dtype == torch.float64
     tied = llama.lm_head.weight is llama.model.embed_tokens.weight
     assert (narrow.lm_head.weight is narrow.model.embed_tokens.weight) == tied  # tied weights stay tied
-    assert draft_model(llama, None) is None and draft_model(llama, torch.float64) is None
+    assert draft_model(llama, None, "stock") is None and draft_model(llama, torch.float64, "stock") is None
     assert (model_state(llama), {n: (p.dtype, p.data_ptr()) for n, p in llama.named_parameters()}) == before
 
 

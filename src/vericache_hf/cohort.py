@@ -139,7 +139,7 @@ class Cohort:
             do_sample=do_sample,
             timeline=config.timeline,
             started=time.perf_counter(),
-            drafter=draft_model(model, config.draft_dtype),
+            drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
         )
 
     def admit(self, joining: list[Member]) -> None:

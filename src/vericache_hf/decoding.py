@@ -109,7 +109,7 @@ def generate(
         prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
         shared=vericache_prefixes if config.prefix_store is None else None,
         timeline=config.timeline,
-        drafter=draft_model(model, config.draft_dtype),
+        drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
     )
     settings = _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(
@@ -170,6 +170,7 @@ def _schedule_key(config: VeriCacheConfig, input_ids: torch.Tensor, proposer) ->
         repr(sorted(config.compressor_kwargs.items())),
         type(proposer).__name__ if proposer is not None else None,
         config.draft_dtype,
+        config.draft_matmul,
         config.min_draft_length,
         config.max_draft_length,
         input_ids.shape[0],

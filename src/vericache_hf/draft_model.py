@@ -1,11 +1,14 @@
-"""The draft tier's weights in a narrower float type (`VeriCacheConfig.draft_dtype`).
+"""The module that runs draft-tier passes: the model's weights in a narrower float type (`VeriCacheConfig.draft_dtype`),
+and on the CPU, linear layers in the layout measured fastest for a draft's few rows (`draft_matmul`, see
+`draft_matmul.py`).
 
 A draft step on a compressed KV cache still reads every weight, so on a machine where decoding is bound by
 memory bandwidth, weights are most of its cost (on the 2-core CPU here a batch-4 SmolLM2 step without context takes
 80 ms in float32 and 39 ms in bfloat16). Drafting with a bfloat16 copy of the same weights halves that read; the
 full tier's verify pass keeps the model's own weights and precision, so what is emitted does not change.
 
-The copy is made once per model, dtype and device, and shared by every call (under a lock); the model is never modified.
+The copy is made once per model, dtype, device and matmul choice, and shared by every call (under a lock); the model
+is never modified. A copy in the model's own type shares its weight tensors, costing no memory.
 Its buffers (the rotary frequencies) stay in the model's precision: a bfloat16 frequency is off by up to 0.4%,
 which at position 8000 turns the fastest rotation by tens of radians.
 """
@@ -18,6 +21,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from .draft_matmul import measurable, measure_layouts
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -52,23 +57,41 @@ def check_narrowable(model: nn.Module, dtype: torch.dtype) -> None:
         )
 
 
-def draft_model(model: nn.Module, name: str | torch.dtype | None) -> nn.Module | None:
-    """The module that runs draft-tier passes: None (the model itself) when `name` (`draft_dtype`) is None or
-    already the model's type, else the shared copy of `model` with its parameters in that type, on the model's
-    device (a model moved since gets a new copy). Weights changed in place after the copy was made leave it stale:
-    drafts then agree less often, and the output, verified by the model itself, stays the same."""
+DRAFT_MATMULS = ("measured", "stock")
+
+
+def draft_model(
+    model: nn.Module, name: str | torch.dtype | None, matmul: str = "measured"
+) -> nn.Module | None:
+    """The module that runs draft-tier passes: None (the model itself) when nothing would differ, else the shared
+    copy of `model`, on its device (a model moved since gets a new copy), with its parameters in `name`'s type
+    (`draft_dtype`; the model's own tensors when None or the model's type) and, for `matmul="measured"` on the
+    CPU, measured layouts for its linear layers. Weights changed in place after a narrowed copy was made leave it
+    stale: drafts then agree less often, and the output, verified by the model itself, stays the same."""
+    if matmul not in DRAFT_MATMULS:
+        raise ValueError(f"draft_matmul must be one of {DRAFT_MATMULS}, got {matmul!r}.")
     dtype = resolve_dtype(name)
-    if dtype is None or dtype == model.dtype:
+    narrow = dtype is not None and dtype != model.dtype
+    measured = matmul == "measured" and len(set(getattr(model, "hf_device_map", {}).values())) <= 1
+    if not narrow and not (measured and measurable(model)):
         return None
-    key = (dtype, str(model.device))
+    key = (dtype if narrow else None, str(model.device), measured)
     with _LOCK:
         copies = _COPIES.setdefault(model, {})
         if key not in copies:
-            check_narrowable(model, dtype)
+            if narrow:
+                check_narrowable(model, dtype)
             for stale in [k for k in copies if k[1] != key[1]]:  # copies on a device the model left
                 del copies[stale]
-            copies[key] = _narrowed(model, dtype)
+            drafter = _narrowed(model, dtype) if narrow else _shared(model)
+            copies[key] = measure_layouts(drafter) if measured and measurable(drafter) else drafter
         return copies[key]
+
+
+def _shared(model: nn.Module) -> nn.Module:
+    """A copy of the module tree holding the model's own parameters (deepcopy's memo hands them back)."""
+    with torch.no_grad():
+        return copy.deepcopy(model, {id(p): p for p in model.parameters()}).eval()
 
 
 def _narrowed(model: nn.Module, dtype: torch.dtype) -> nn.Module:

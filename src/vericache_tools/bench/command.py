@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from vericache_hf.draft_model import DRAFT_MATMULS
+
 from ..arguments import HelpFormatter, comma_list
 from .methods import PEERS, PROPOSERS
 from .workloads import KINDS
@@ -105,6 +107,14 @@ def add_bench_command(subparsers) -> None:
         "type such as bfloat16 (drafts on a copy of the weights in it; the verify pass keeps the model's)",
     )
     parser.add_argument(
+        "--draft-matmuls",
+        type=comma_list(choices=DRAFT_MATMULS),
+        metavar="NAME,...",
+        default="measured",
+        help="VeriCache once per way of running the draft tier's linear layers, side by side: measured (the "
+        "fastest layout of each product for its row count, timed on first use) and stock (the model's linear)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="interleaved timing repeats (medians are reported)"
     )
     parser.add_argument(
@@ -156,13 +166,14 @@ def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
 RESUME_KEYS = (
     "model", "num_prompts", "max_new_tokens", "compressors", "ratios", "draft_length", "draft_schedules",
     "repeats", "peers", "no_peers", "proposers", "no_lossy", "paired", "draft_dtypes",
+    "draft_matmuls",
 )  # fmt: skip
 
 
 #: What files written before a key of RESUME_KEYS existed were made with.
 BEFORE_THE_KEY = {
     "draft_schedules": ["adaptive"], "proposers": ["none"], "no_lossy": False, "paired": False,
-    "draft_dtypes": ["model"],
+    "draft_dtypes": ["model"], "draft_matmuls": ["stock"],
 }  # fmt: skip
 
 
@@ -304,6 +315,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         proposers=args.proposers,
         lossy=not args.no_lossy,
         draft_dtypes=args.draft_dtypes,
+        draft_matmuls=args.draft_matmuls,
     )
     settings = run_settings(args)
     settings.update(torch_threads=torch.get_num_threads(), env={k: os.environ.get(k) for k in CPU_ENV})

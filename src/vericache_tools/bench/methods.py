@@ -42,6 +42,7 @@ class Method:
     draft_schedule: str | None = None  # None: VeriCacheConfig's default
     proposer: str | None = None  # VeriCache's proposer ("prompt_lookup"), None: the draft tier alone
     draft_dtype: str | None = None  # VeriCache's draft-tier float type ("bfloat16"), None: the model's own
+    draft_matmul: str = "measured"  # VeriCache's draft-tier products: "measured" layouts or "stock" linear
     lookup_tokens: int = 10
     early_exit_layers: int = 8
 
@@ -57,6 +58,10 @@ class Method:
             raise ValueError(
                 f"Only VeriCache takes a draft_dtype; got {self.draft_dtype!r} for {self.family}."
             )
+        if self.draft_matmul != "measured" and self.family != "vericache":
+            raise ValueError(
+                f"Only VeriCache takes a draft_matmul; got {self.draft_matmul!r} for {self.family}."
+            )
 
     @property
     def name(self) -> str:
@@ -66,7 +71,10 @@ class Method:
             schedule = f" [{self.draft_schedule}]" if self.draft_schedule else ""
             proposer = " + prompt lookup" if self.proposer else ""
             dtype = f", {self.draft_dtype} drafts" if self.draft_dtype else ""
-            return f"VeriCache {self.compressor}@{self.compression_ratio:g}{dtype}{proposer}{schedule}"
+            matmul = f", {self.draft_matmul} matmuls" if self.draft_matmul != "measured" else ""
+            return (
+                f"VeriCache {self.compressor}@{self.compression_ratio:g}{dtype}{matmul}{proposer}{schedule}"
+            )
         if self.family == "prompt_lookup":
             return f"HF prompt lookup ({self.lookup_tokens})"
         if self.family == "early_exit":
@@ -110,6 +118,7 @@ class Method:
                 proposer=self.proposer,
                 proposal_length=self.lookup_tokens,
                 draft_dtype=self.draft_dtype,
+                draft_matmul=self.draft_matmul,
                 stats=stats,
                 **({"draft_schedule": self.draft_schedule} if self.draft_schedule else {}),
             )
@@ -153,12 +162,13 @@ def build_methods(
     proposers: list[str] | None = None,
     lossy: bool = True,
     draft_dtypes: list[str] | None = None,
+    draft_matmuls: list[str] | None = None,
 ) -> list[Method]:
     """Full cache first (the reference), then compressed-only (unless `lossy` is False: a run that measures only
     whether VeriCache is ever slower needs no lossy baseline) and VeriCache for each compressor and ratio (one
     VeriCache per schedule in `draft_schedules`, None: the config's default; and per entry of `proposers`, "none"
     being VeriCache alone, None: ["none"]; and per entry of `draft_dtypes`, "model" drafting with the model's own
-    weights, None: ["model"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
+    weights, None: ["model"]; and per entry of `draft_matmuls`, None: ["measured"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
     chosen = list(PEERS) if peers is True else list(peers or [])
     unknown = [name for name in chosen if name not in PEERS]
     if unknown:
@@ -174,6 +184,8 @@ def build_methods(
     for name in draft_dtypes or []:
         if name != "model":
             VeriCacheConfig(draft_dtype=name)  # the config refuses a type that is not a float
+    for name in draft_matmuls or []:
+        VeriCacheConfig(draft_matmul=name)  # the config refuses an unknown one with the choices
     check_pairs(compressors, ratios)
     methods = [Method("full")]
     for compressor in compressors:
@@ -182,16 +194,18 @@ def build_methods(
                 methods.append(Method("lossy", compressor, ratio))
             for schedule in draft_schedules or [None]:
                 for dtype in draft_dtypes or ["model"]:
-                    for proposer in proposers or ["none"]:
-                        methods.append(
-                            Method(
-                                "vericache",
-                                compressor,
-                                ratio,
-                                draft_length,
-                                schedule,
-                                None if proposer == "none" else proposer,
-                                None if dtype == "model" else dtype,
+                    for matmul in draft_matmuls or ["measured"]:
+                        for proposer in proposers or ["none"]:
+                            methods.append(
+                                Method(
+                                    "vericache",
+                                    compressor,
+                                    ratio,
+                                    draft_length,
+                                    schedule,
+                                    None if proposer == "none" else proposer,
+                                    None if dtype == "model" else dtype,
+                                    matmul,
+                                )
                             )
-                        )
     return methods + [Method(name) for name in chosen]

@@ -96,6 +96,8 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
         row["proposer"] = method.proposer
     if method.draft_dtype:
         row["draft_dtype"] = method.draft_dtype
+    if method.draft_matmul != "measured":
+        row["draft_matmul"] = method.draft_matmul
     if any(s.skipped for s in group):
         row["na"] = group[0].skipped
         for key in ("tokens_per_s", "decode_tokens_per_s", "identical_share"):

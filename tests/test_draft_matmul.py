@@ -1,0 +1,148 @@
+"""`draft_matmul="measured"`: draft-tier passes run each linear layer in the layout measured fastest for its shape and
+row count, on a copy sharing the model's weights. Greedy output equals stock `generate` of the float64 model in every
+layout (alone, composed with a proposer, through the engine); each layout computes `linear`'s product; the
+measurement keeps the fastest; the copy is made once, shared by threads, and the model is untouched.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vericache_hf import VeriCacheConfig, generate_batch
+from vericache_hf import draft_matmul as dm
+from vericache_hf.draft_model import draft_model
+
+from .conftest import random_prompt, tiny_model
+from .test_generate_parity import left_padded_batch
+from .test_proposers import generate_both, repeat_tail
+from .test_threads import model_state, run_threads
+
+
+def forced(monkeypatch, layout: str) -> None:
+    """Every measurement chooses `layout`, so that each layout's exactness is checked, not just the fastest here."""
+    monkeypatch.setattr(dm.LayoutTable, "_measure", lambda self, group, rows: layout)
+
+
+def layouts_used(drafter) -> set[str]:
+    tables = {id(m.layouts): m.layouts for m in drafter.modules() if isinstance(m, dm.MeasuredLinear)}
+    return {layout for table in tables.values() for layout in table.chosen.values()}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_layout_computes_linear(rows, bias):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 24, dtype=torch.float64, generator=generator)
+    weight = torch.randn(40, 24, dtype=torch.float64, generator=generator)
+    b = torch.randn(40, dtype=torch.float64, generator=generator) if bias else None
+    want = F.linear(x, weight, b)
+    for layout in dm.LAYOUTS:
+        got = dm.product(layout, x.view(rows, 1, 24), weight, b)
+        assert got.shape == (rows, 1, 40) and got.is_contiguous(), layout
+        torch.testing.assert_close(got.view(1, rows, 40), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", list(dm.LAYOUTS))
+def test_drafts_in_each_layout_on_a_padded_batch_match_stock(monkeypatch, layout):
+    model = tiny_model("llama", seed=3, num_hidden_layers=3)
+    forced(monkeypatch, layout)
+    ids, mask = left_padded_batch()
+    config = VeriCacheConfig(compressor="snapkv", draft_schedule="fixed", draft_length=5)
+    stock, ours = generate_both(model, ids, config, attention_mask=mask, max_new_tokens=30)
+    assert torch.equal(ours.sequences, stock)
+    assert ours.vericache_stats.draft_forwards > 0 and ours.vericache_stats.acceptance_rate > 0
+    assert layouts_used(draft_model(model, None)) == {layout}  # the drafts ran through the forced layout
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "assistant"])
+def test_measured_drafts_composed_with_a_proposer_match_stock(monkeypatch, proposer):
+    model = tiny_model("llama", seed=4, num_hidden_layers=3)
+    forced(monkeypatch, "weight_first_padded")
+    ids, mask = repeat_tail(*left_padded_batch())
+    kwargs = (
+        {"prompt_lookup_num_tokens": 5}
+        if proposer == "lookup"
+        else {"assistant_model": tiny_model("llama", seed=5, num_hidden_layers=1)}
+    )
+    config = VeriCacheConfig(compressor="snapkv", draft_schedule="fixed", draft_length=6)
+    stock, ours = generate_both(model, ids, config, attention_mask=mask, max_new_tokens=30, **kwargs)
+    assert torch.equal(ours.sequences, stock)
+    assert ours.vericache_stats.proposed_tokens > 0
+    assert layouts_used(draft_model(model, None)) == {"weight_first_padded"}
+
+
+def test_the_engine_drafts_with_measured_layouts_and_stays_exact():
+    model = tiny_model("llama", seed=6, num_hidden_layers=2)
+    prompts = [random_prompt(30 + 7 * i, seed=40 + i)[0].tolist() for i in range(4)]
+    config = VeriCacheConfig(compressor="streaming_llm", draft_length=4)
+    results = generate_batch(model, prompts, max_new_tokens=16, vericache_config=config, do_sample=False)
+    for out, prompt in zip(results.values(), prompts, strict=True):
+        stock = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)
+        assert out.error is None and out.generated_tokens == stock[0, len(prompt) :].tolist()
+    assert layouts_used(draft_model(model, None))  # the engine's drafts were measured
+
+
+def test_the_measurement_keeps_the_fastest_layout_and_linear_unless_clearly_beaten(monkeypatch):
+    """Real timings, with one layout made slower by a sleep per product: the measurement must see it."""
+    model = tiny_model("llama", seed=7, num_hidden_layers=2)
+    drafter = draft_model(model, None)
+    layer = drafter.model.layers[0].mlp.down_proj
+    x = torch.randn(1, 3, layer.in_features, dtype=layer.weight.dtype)
+    original = dm.product
+
+    def slowed(*slow):
+        def product(layout, *args):
+            if layout in slow:
+                time.sleep(0.002)
+            return original(layout, *args)
+
+        return product
+
+    monkeypatch.setattr(dm, "product", slowed("linear", "weight_first"))
+    assert layer.layouts._measure(layer.group, x.view(3, -1)) == "weight_first_padded"
+    monkeypatch.setattr(dm, "product", slowed("weight_first", "weight_first_padded"))
+    assert layer.layouts._measure(layer.group, x.view(3, -1)) == "linear"
+
+
+def test_a_layout_is_measured_once_per_shape_and_row_count(monkeypatch):
+    model = tiny_model("llama", seed=8, num_hidden_layers=2)
+    drafter = draft_model(model, None)
+    measured = []
+    real = dm.LayoutTable._measure
+    monkeypatch.setattr(
+        dm.LayoutTable, "_measure", lambda self, g, r: measured.append((g, r.shape[0])) or real(self, g, r)
+    )
+    q, k = drafter.model.layers[0].self_attn.q_proj, drafter.model.layers[1].self_attn.q_proj
+    for layer in (q, k, q):
+        x = torch.randn(2, 1, layer.in_features, dtype=layer.weight.dtype)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert measured == [(q.group, 2)]  # layers of one shape share a measurement
+    wide = torch.randn(1, dm.MOST_ROWS + 1, q.in_features, dtype=q.weight.dtype)
+    assert q.layouts.layout(q.group, wide) == "linear" and len(measured) == 1  # many rows: linear, unmeasured
+
+
+def test_one_shared_copy_holding_the_models_weights_and_the_model_untouched():
+    model = tiny_model("llama", seed=9, num_hidden_layers=2)
+    before = model_state(model), {n: (type(m), m.forward) for n, m in model.named_modules()}
+    copies = []
+    errors = run_threads([lambda: copies.append(draft_model(model, None)) for _ in range(4)])
+    assert not errors and len({id(c) for c in copies}) == 1
+    drafter = copies[0]
+    assert drafter is not model and drafter.config is not model.config
+    ours = dict(model.named_parameters())
+    # the same tensors: no memory, and weights changed in place are seen by the drafts too
+    assert all(p is ours[name] for name, p in drafter.named_parameters())
+    assert isinstance(drafter.lm_head, dm.MeasuredLinear) and type(model.lm_head) is torch.nn.Linear
+    assert draft_model(model, None, "stock") is None
+    assert (model_state(model), {n: (type(m), m.forward) for n, m in model.named_modules()}) == before
+
+
+def test_bad_draft_matmuls_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"draft_matmul must be one of \('measured', 'stock'\)"):
+        VeriCacheConfig(draft_matmul="fast")
+    with pytest.raises(ValueError, match="draft_matmul must be one of"):
+        draft_model(tiny_model("llama", seed=3, num_hidden_layers=1), None, "blas")
