@@ -24,7 +24,7 @@ from .test_threads import model_state, run_threads
 
 def forced(monkeypatch, layout: str) -> None:
     """Every measurement chooses `layout`, so that each layout's exactness is checked, not just the fastest here."""
-    monkeypatch.setattr(dm.LayoutTable, "_measure", lambda self, group, rows: layout)
+    monkeypatch.setattr(dm, "fastest", lambda times: layout)
 
 
 def layouts_used(drafter) -> set[str]:
@@ -86,43 +86,47 @@ def test_the_engine_drafts_with_measured_layouts_and_stays_exact():
     assert layouts_used(draft_model(model, None))  # the engine's drafts were measured
 
 
-def test_the_measurement_keeps_the_fastest_layout_and_linear_unless_clearly_beaten(monkeypatch):
-    """Real timings, with one layout made slower by a sleep per product: the measurement must see it."""
+def test_the_fastest_median_wins_and_linear_stays_unless_clearly_beaten():
+    times = {
+        "linear": [5.0, 1.0, 5.0],
+        "weight_first": [4.0, 4.0, 9.0],
+        "weight_first_padded": [4.9, 4.9, 0.1],
+    }
+    assert dm.fastest(times) == "weight_first"  # medians 5, 4 and 4.9: not the best single sample
+    times["weight_first"] = [4.9, 4.9, 4.9]
+    assert dm.fastest(times) == "linear"  # 2% faster is within the timer's noise
+
+
+def test_draft_passes_time_each_layout_then_keep_the_fastest(monkeypatch):
+    """Real timings of the layer's own products, with some layouts made slower by a sleep: the table must see it,
+    decide after `SAMPLES` products of each layout, and from then on run only the chosen one."""
     model = tiny_model("llama", seed=7, num_hidden_layers=2)
     drafter = draft_model(model, None)
-    layer = drafter.model.layers[0].mlp.down_proj
-    x = torch.randn(1, 3, layer.in_features, dtype=layer.weight.dtype)
-    original = dm.product
+    layers = [block.mlp.down_proj for block in drafter.model.layers]
+    table, group = layers[0].layouts, layers[0].group
+    original, ran = dm.product, []
 
-    def slowed(*slow):
-        def product(layout, *args):
-            if layout in slow:
-                time.sleep(0.002)
-            return original(layout, *args)
+    def slowed(layout, *args):
+        ran.append(layout)
+        if layout in ("linear", "weight_first"):
+            time.sleep(0.002)
+        return original(layout, *args)
 
-        return product
-
-    monkeypatch.setattr(dm, "product", slowed("linear", "weight_first"))
-    assert layer.layouts._measure(layer.group, x.view(3, -1)) == "weight_first_padded"
-    monkeypatch.setattr(dm, "product", slowed("weight_first", "weight_first_padded"))
-    assert layer.layouts._measure(layer.group, x.view(3, -1)) == "linear"
-
-
-def test_a_layout_is_measured_once_per_shape_and_row_count(monkeypatch):
-    model = tiny_model("llama", seed=8, num_hidden_layers=2)
-    drafter = draft_model(model, None)
-    measured = []
-    real = dm.LayoutTable._measure
-    monkeypatch.setattr(
-        dm.LayoutTable, "_measure", lambda self, g, r: measured.append((g, r.shape[0])) or real(self, g, r)
-    )
-    q, k = drafter.model.layers[0].self_attn.q_proj, drafter.model.layers[1].self_attn.q_proj
-    for layer in (q, k, q):
-        x = torch.randn(2, 1, layer.in_features, dtype=layer.weight.dtype)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert measured == [(q.group, 2)]  # layers of one shape share a measurement
-    wide = torch.randn(1, dm.MOST_ROWS + 1, q.in_features, dtype=q.weight.dtype)
-    assert q.layouts.layout(q.group, wide) == "linear" and len(measured) == 1  # many rows: linear, unmeasured
+    monkeypatch.setattr(dm, "product", slowed)
+    x = torch.randn(3, 1, layers[0].in_features, dtype=layers[0].weight.dtype)
+    for call in range(len(dm.LAYOUTS) * dm.SAMPLES):
+        layer = layers[call % 2]
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    # the two layers of one shape shared their samples: every layout timed SAMPLES times, then the choice
+    assert sorted(ran) == sorted(list(dm.LAYOUTS) * dm.SAMPLES)
+    assert table.chosen == {(group, 3): "weight_first_padded"}
+    ran.clear()
+    for layer in layers:
+        layer(x)
+    assert ran == ["weight_first_padded"] * 2
+    wide = torch.randn(1, dm.MOST_ROWS + 1, layers[0].in_features, dtype=layers[0].weight.dtype)
+    layers[0](wide)
+    assert len(ran) == 2 and len(table.chosen) == 1  # many rows: linear, untimed
 
 
 def test_one_shared_copy_holding_the_models_weights_and_the_model_untouched():

@@ -4,8 +4,8 @@ A draft step multiplies a few rows (one per sequence, or a proposal's few tokens
 PyTorch's CPU `linear` computes `x @ W.T`, and for a handful of rows its BLAS can take a slow path: on the 2-core
 machine here SmolLM2's float32 linears take 46 ms for one row and 68-95 ms for 2-4 rows, while the same product
 as `(W @ x.T).T` takes 19-27 ms for 2-4 rows, and 18 ms for one row padded to two. Which layout wins depends on the
-BLAS, the float type (bfloat16 keeps `linear`), the shape and the row count, so each is timed, not assumed: the
-first product of a shape and row count times every weight of that shape in each layout and keeps the fastest.
+BLAS, the float type (bfloat16 keeps `linear`), the shape and the row count, so each is timed, not assumed, on
+the draft passes' own products (`LayoutTable`).
 
 Only draft-tier passes use it; the verify pass and plain steps run the model's own `linear`, so the emitted tokens
 never depend on the choice, only how many drafts agree can (by rounding).
@@ -13,7 +13,7 @@ never depend on the choice, only how many drafts agree can (by rounding).
 
 from __future__ import annotations
 
-import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MOST_ROWS = 16  # beyond this many rows, `linear`'s GEMM is already efficient (within 5-15% here): left alone
+MOST_ROWS = 64  # beyond this many rows (a verify pass's), `linear`'s GEMM is efficient: left alone
+SAMPLES = 5  # timed products per layout before the fastest is kept
 MARGIN = 0.95  # another layout replaces `linear` only when it is at least 5% faster (timer noise)
 
 
@@ -57,44 +58,47 @@ def product(layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 class LayoutTable:
-    """The measured layout per weight shape and row count, for one drafting copy, shared by its threads."""
+    """The layout per weight shape and row count, for one drafting copy, shared by its threads.
+
+    It is measured on the products the draft passes run anyway: until each layout has `SAMPLES` timed products of a
+    shape and row count, the next product runs in the least-timed one, and then the fastest by median is kept. So
+    nothing is computed only to time it, and the times are a draft pass's own, with weights streaming from memory
+    layer after layer (one weight timed alone would sit in cache). The layers of one shape share their samples: 30
+    layers decide within a pass, the single output head within `3 * SAMPLES` passes."""
 
     def __init__(self) -> None:
-        self.weights: dict[tuple, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.chosen: dict[tuple[tuple, int], str] = {}
+        self._times: dict[tuple[tuple, int], dict[str, list[float]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, layer: nn.Linear) -> tuple:
-        """Register `layer`'s weights under its shape group; returns the group."""
-        group = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
-        self.weights.setdefault(group, []).append((layer.weight, layer.bias))
-        return group
-
-    def layout(self, group: tuple, x: torch.Tensor) -> str:
+    def product(self, group: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """`F.linear(x, weight, bias)` for a weight of `group`, in its chosen layout or the next to time."""
         rows = x.numel() // x.shape[-1]
         if rows > MOST_ROWS:
-            return "linear"
+            return F.linear(x, weight, bias)
         key = (group, rows)
-        chosen = self.chosen.get(key)
-        if chosen is None:
-            with self._lock:
-                chosen = self.chosen.get(key) or self._measure(group, x.detach().reshape(rows, -1))
-                self.chosen[key] = chosen
-        return chosen
+        layout = self.chosen.get(key)
+        if layout is not None:
+            return product(layout, x, weight, bias)
+        with self._lock:
+            times = self._times.setdefault(key, {name: [] for name in LAYOUTS})
+            layout = min(times, key=lambda name: len(times[name]))
+        started = time.perf_counter()
+        out = product(layout, x, weight, bias)
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            times[layout].append(elapsed)
+            if key not in self.chosen and all(len(seconds) >= SAMPLES for seconds in times.values()):
+                self.chosen[key] = fastest(times)
+                self._times.pop(key, None)
+        return out
 
-    def _measure(self, group: tuple, rows: torch.Tensor) -> str:
-        """Time every weight of `group` in each layout, twice in opposite orders, and keep the best of each: the
-        group's weights together stream from memory as a draft step reads them, where one alone would sit in cache."""
-        best = dict.fromkeys(LAYOUTS, math.inf)
-        with torch.no_grad():
-            for order in (list(LAYOUTS), list(LAYOUTS)[::-1]):
-                for layout in order:
-                    started = time.perf_counter()
-                    for weight, bias in self.weights[group]:
-                        product(layout, rows, weight, bias)
-                    best[layout] = min(best[layout], time.perf_counter() - started)
-        fastest = min(best, key=best.get)
-        return fastest if best[fastest] < MARGIN * best["linear"] else "linear"
+
+def fastest(times: dict[str, list[float]]) -> str:
+    """The layout with the least median time, `linear` unless another is at least 5% faster."""
+    medians = {layout: statistics.median(seconds) for layout, seconds in times.items()}
+    best = min(medians, key=medians.get)
+    return best if medians[best] < MARGIN * medians["linear"] else "linear"
 
 
 class MeasuredLinear(nn.Linear):
@@ -104,7 +108,7 @@ class MeasuredLinear(nn.Linear):
     group: tuple
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return product(self.layouts.layout(self.group, x), x, self.weight, self.bias)
+        return self.layouts.product(self.group, x, self.weight, self.bias)
 
 
 def measurable(model: nn.Module) -> bool:
@@ -124,5 +128,5 @@ def measure_layouts(copy: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:
             module.__class__ = MeasuredLinear
             module.layouts = table
-            module.group = table.add(module)
+            module.group = (*module.weight.shape, module.weight.dtype, module.bias is not None)
     return copy
