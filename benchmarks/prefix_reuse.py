@@ -9,6 +9,8 @@ Three ways to answer, side by side in one run:
   once while the full KV streams in behind, and let the first verify pass prefill the suffix exactly.
 
 With `--draft-dtype bfloat16`, each compressed-first way also runs drafting on a bfloat16 copy of the weights.
+With `--stock-matmuls`, each also runs with `draft_matmul="stock"` (drafts through the model's own `linear`, as
+before session 38) beside the default measured layouts.
 With `--proposer prompt_lookup`, compressed-first also runs composed with prompt lookup proposing to the draft tier
 (issue 23), against the same full-first. Full-first does not run with transformers' own prompt lookup: in
 transformers 5.24-5.25, assisted decoding's first pass feeds the whole prompt again on top of a cache passed in
@@ -55,6 +57,11 @@ def ways(args) -> list[tuple[str, dict]]:
     if args.draft_dtype:
         out += [
             (f"{suffix}, {args.draft_dtype} drafts", {**changes, "draft_dtype": args.draft_dtype})
+            for suffix, changes in list(out)
+        ]
+    if args.stock_matmuls:
+        out += [
+            (f"{suffix}, stock matmuls", {**changes, "draft_matmul": "stock"})
             for suffix, changes in list(out)
         ]
     return out
@@ -119,6 +126,11 @@ def main() -> None:
         choices=["bfloat16", "float16"],
         default=None,
         help="also run compressed-first (and composed) drafting on a copy of the weights in this type",
+    )
+    parser.add_argument(
+        "--stock-matmuls",
+        action="store_true",
+        help="also run each compressed-first way with draft_matmul='stock' (the model's own linear in drafts)",
     )
     parser.add_argument("--out", default="docs/bench-prefix")
     args = parser.parse_args()
