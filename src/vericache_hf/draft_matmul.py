@@ -3,7 +3,8 @@
 A draft step multiplies a few rows (one per sequence, or a proposal's few tokens) by every weight of the model.
 PyTorch's CPU `linear` computes `x @ W.T`, and for a handful of rows its BLAS can take a slow path: on the 2-core
 machine here SmolLM2's float32 linears take 46 ms for one row and 68-95 ms for 2-4 rows, while the same product
-as `(W @ x.T).T` takes 19-27 ms for 2-4 rows, and 18 ms for one row padded to two. Which layout wins depends on the
+as `(W @ x.T).T` takes 19-27 ms for 2-4 rows, and 21 ms for one row padded to two (padding more rows never
+paid). Which layout wins depends on the
 BLAS, the float type (bfloat16 keeps `linear`), the shape and the row count, so each is timed, not assumed, on
 the draft passes' own products (`LayoutTable`).
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MOST_ROWS = 64  # beyond this many rows (a verify pass's), `linear`'s GEMM is efficient: left alone
-SAMPLES = 5  # timed products per layout before the fastest is kept
+SAMPLES = 3  # timed products per layout before the fastest (by median) is kept
 MARGIN = 0.95  # another layout replaces `linear` only when it is at least 5% faster (timer noise)
 
 
@@ -32,18 +33,15 @@ def _linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_first(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A single row is padded to two: alone it would make the product a matrix-vector one, the slow path again."""
+    if rows.shape[0] == 1:
+        return torch.mm(weight, torch.cat([rows, rows]).t())[:, :1].t()
     return torch.mm(weight, rows.t()).t()
-
-
-def _weight_first_padded(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One extra row: a single row would make the product a matrix-vector one, the slow path again."""
-    return torch.mm(weight, torch.cat([rows, rows[:1]]).t())[:, : rows.shape[0]].t()
 
 
 LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "linear": _linear,
     "weight_first": _weight_first,
-    "weight_first_padded": _weight_first_padded,
 }
 
 
@@ -64,7 +62,7 @@ class LayoutTable:
     shape and row count, the next product runs in the least-timed one, and then the fastest by median is kept. So
     nothing is computed only to time it, and the times are a draft pass's own, with weights streaming from memory
     layer after layer (one weight timed alone would sit in cache). The layers of one shape share their samples: 30
-    layers decide within a pass, the single output head within `3 * SAMPLES` passes."""
+    layers decide within a pass, the single output head within `2 * SAMPLES` passes."""
 
     def __init__(self) -> None:
         self.chosen: dict[tuple[tuple, int], str] = {}
