@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
-from .draft_model import DRAFT_MATMULS, resolve_dtype
+from .draft_model import check_draft_matmul, resolve_dtype
 
 DRAFT_SCHEDULES = ("auto", "cost_aware", "adaptive", "fixed")
 
@@ -121,8 +121,7 @@ class VeriCacheConfig:
                 f"proposer must be None, 'prompt_lookup' or an assistant model (a transformers causal LM), "
                 f"got {self.proposer!r}."
             )
-        if self.draft_matmul not in DRAFT_MATMULS:
-            raise ValueError(f"draft_matmul must be one of {DRAFT_MATMULS}, got {self.draft_matmul!r}.")
+        check_draft_matmul(self.draft_matmul)
         if self.draft_dtype is not None:  # kept as its name, so that the config saves as JSON
             self.draft_dtype = str(resolve_dtype(self.draft_dtype)).removeprefix("torch.")
         if self.prefix_store is not None:

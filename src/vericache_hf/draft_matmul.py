@@ -4,9 +4,8 @@ A draft step multiplies a few rows (one per sequence, or a proposal's few tokens
 PyTorch's CPU `linear` computes `x @ W.T`, and for a handful of rows its BLAS can take a slow path: on the 2-core
 machine here SmolLM2's float32 linears take 46 ms for one row and 68-95 ms for 2-4 rows, while the same product
 as `(W @ x.T).T` takes 19-27 ms for 2-4 rows, and 21 ms for one row padded to two (padding more rows never
-paid). Which layout wins depends on the
-BLAS, the float type (bfloat16 keeps `linear`), the shape and the row count, so each is timed, not assumed, on
-the draft passes' own products (`LayoutTable`).
+paid). Which layout wins depends on the BLAS, the float type (bfloat16 keeps `linear`), the shape and the row
+count, so each is timed, not assumed, on the draft passes' own products (`LayoutTable`).
 
 Only draft-tier passes use it; the verify pass and plain steps run the model's own `linear`, so the emitted tokens
 never depend on the choice, only how many drafts agree can (by rounding).
@@ -17,7 +16,6 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,28 +26,19 @@ SAMPLES = 3  # timed products per layout before the fastest (by median) is kept
 MARGIN = 0.95  # another layout replaces `linear` only when it is at least 5% faster (timer noise)
 
 
-def _linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(rows, weight)
-
-
-def _weight_first(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A single row is padded to two: alone it would make the product a matrix-vector one, the slow path again."""
-    if rows.shape[0] == 1:
-        return torch.mm(weight, torch.cat([rows, rows]).t())[:, :1].t()
-    return torch.mm(weight, rows.t()).t()
-
-
-LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "linear": _linear,
-    "weight_first": _weight_first,
-}
+LAYOUTS = ("linear", "weight_first")
 
 
 def product(layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` computed in `layout`."""
+    """`F.linear(x, weight, bias)` computed in `layout`: `linear` itself, or `weight_first`, `(W @ x.T).T`, with a
+    single row padded to two (alone it would make the product a matrix-vector one, the slow path again)."""
     if layout == "linear":
         return F.linear(x, weight, bias)
-    out = LAYOUTS[layout](x.reshape(-1, x.shape[-1]), weight).contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        out = torch.mm(weight, torch.cat([rows, rows]).t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, rows.t()).t().contiguous()
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -68,24 +68,33 @@ def draft_model(
     (`draft_dtype`; the model's own tensors when None or the model's type) and, for `matmul="measured"` on the
     CPU, measured layouts for its linear layers. Weights changed in place after a narrowed copy was made leave it
     stale: drafts then agree less often, and the output, verified by the model itself, stays the same."""
-    if matmul not in DRAFT_MATMULS:
-        raise ValueError(f"draft_matmul must be one of {DRAFT_MATMULS}, got {matmul!r}.")
+    check_draft_matmul(matmul)
     dtype = resolve_dtype(name)
     narrow = dtype is not None and dtype != model.dtype
     measured = matmul == "measured" and len(set(getattr(model, "hf_device_map", {}).values())) <= 1
-    if not narrow and not (measured and measurable(model)):
+    if not narrow and not measured:
         return None
     key = (dtype if narrow else None, str(model.device), measured)
     with _LOCK:
         copies = _COPIES.setdefault(model, {})
-        if key not in copies:
+        if (
+            key not in copies
+        ):  # built once: the per-call path is this lookup (None kept for a model not measurable)
             if narrow:
                 check_narrowable(model, dtype)
             for stale in [k for k in copies if k[1] != key[1]]:  # copies on a device the model left
                 del copies[stale]
-            drafter = _narrowed(model, dtype) if narrow else _shared(model)
-            copies[key] = measure_layouts(drafter) if measured and measurable(drafter) else drafter
+            drafter = _narrowed(model, dtype) if narrow else _shared(model) if measurable(model) else None
+            if drafter is not None and measured and measurable(drafter):
+                measure_layouts(drafter)
+            copies[key] = drafter
         return copies[key]
+
+
+def check_draft_matmul(matmul: str) -> None:
+    """Refuse a `draft_matmul` that is not one of `DRAFT_MATMULS`, naming them."""
+    if matmul not in DRAFT_MATMULS:
+        raise ValueError(f"draft_matmul must be one of {DRAFT_MATMULS}, got {matmul!r}.")
 
 
 def _shared(model: nn.Module) -> nn.Module:

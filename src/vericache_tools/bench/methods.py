@@ -168,7 +168,8 @@ def build_methods(
     whether VeriCache is ever slower needs no lossy baseline) and VeriCache for each compressor and ratio (one
     VeriCache per schedule in `draft_schedules`, None: the config's default; and per entry of `proposers`, "none"
     being VeriCache alone, None: ["none"]; and per entry of `draft_dtypes`, "model" drafting with the model's own
-    weights, None: ["model"]; and per entry of `draft_matmuls`, None: ["measured"]), then the HF peers (`True`: all of `PEERS`, or a list of their names)."""
+    weights, None: ["model"]; and per entry of `draft_matmuls`, None: ["measured"]), then the HF peers (`True`:
+    all of `PEERS`, or a list of their names)."""
     chosen = list(PEERS) if peers is True else list(peers or [])
     unknown = [name for name in chosen if name not in PEERS]
     if unknown:
