@@ -84,6 +84,25 @@ def test_saved_and_reused_prefix_match_stock(model, make_store, compressor):
     )
 
 
+def test_draft_entry_travels_in_bfloat16_and_restores_in_the_model_type(llama, tmp_path):
+    """The stored draft tier (which only drafts) holds its float tensors in bfloat16, half a float32 entry's bytes
+    on the link; a hit restores them in the model's type, and the output stays stock's."""
+    store = DiskStore(tmp_path)
+    vericache(llama, request(0), store)  # saves
+    prefixes = vericache_hf.prefix.PrefixCache(store, CHUNK)
+    reuse = PrefixReuse(
+        store, llama, build_compressor("snapkv", compression_ratio=0.75), VeriCacheStats(), CHUNK
+    )
+    state, nbytes = prefixes.load_state(request(0)[:, : 3 * CHUNK], reuse.draft_print, "draft")
+    floats = {name: t.dtype for name, t in state.items() if t.is_floating_point()}
+    assert floats and set(floats.values()) == {torch.bfloat16}, floats
+    assert llama.dtype == torch.float64
+    ids = request(1)
+    out, stats = vericache(llama, ids, store)
+    assert stats.prefix_compressed_bytes == nbytes
+    assert torch.equal(out, stock(llama, ids))
+
+
 @pytest.mark.parametrize("stage_on_cpu", [False, True])
 def test_suffix_queries_score_the_draft_tier_as_a_whole_prefill_would(llama, tmp_path, stage_on_cpu):
     """A stored prefix's draft tier was scored by the prefix's own last queries; after the first verify pass, which

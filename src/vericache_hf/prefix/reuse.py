@@ -118,7 +118,7 @@ class PrefixReuse:
             drafts = [
                 self.compressor.restore(
                     {
-                        name.split(".", 2)[2]: _rows(t, rows).to(device)
+                        name.split(".", 2)[2]: _rows(t, rows).to(device, _stored_type(t, self.model.dtype))
                         for name, t in state.items()
                         if _layer(name) == i
                     }
@@ -272,7 +272,7 @@ class PrefixReuse:
             cache.build_draft_tier()
         state = {}
         for i, layer in enumerate(cache.layers):
-            state.update({f"layer.{i}.{name}": t[:1] for name, t in layer.draft.export().items()})
+            state.update({f"layer.{i}.{name}": _narrow(t[:1]) for name, t in layer.draft.export().items()})
         ids = prefix_ids[0].detach().cpu()
 
         def job() -> None:
@@ -285,6 +285,17 @@ class PrefixReuse:
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """A stored (1, ...) tensor for a batch of `rows` copies of one prompt (a view)."""
     return tensor.expand(rows, *tensor.shape[1:])
+
+
+def _narrow(tensor: torch.Tensor) -> torch.Tensor:
+    """A draft-tier tensor as stored: float32 and float64 in bfloat16. The draft tier only drafts (the full tier
+    verifies), and half the bytes is half the wait before the first draft on a slow link."""
+    return tensor.to(torch.bfloat16) if tensor.is_floating_point() and tensor.dtype.itemsize > 2 else tensor
+
+
+def _stored_type(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The type a stored draft-tier tensor is restored in: floats in the model's, anything else its own."""
+    return dtype if tensor.is_floating_point() else tensor.dtype
 
 
 def _layer(name: str) -> int:
