@@ -1,8 +1,8 @@
 """`PrefixReuse`: one `generate` call's use of a prefix store, compressed first (the paper's prefix-caching case).
 
 A prompt's leading whole chunks (at least one token is left after them: the suffix) are its *prefix*. On a hit:
-1. the compressed draft tier of exactly that prefix is fetched (one entry, 4-8x smaller than the full KV) and
-   restored, so drafting starts at once;
+1. the compressed draft tier of exactly that prefix is fetched (one entry, 4-8x fewer tokens than the full KV,
+   floats in bfloat16) and restored, so drafting starts at once;
 2. a loader thread streams the full prefix chunk by chunk into the host full tier meanwhile;
 3. the loop drafts the suffix and beyond on the draft tier, waits only for the chunks still missing, and its first
    verify pass is both the exact prefill of the suffix and the check of the drafts.
