@@ -87,10 +87,10 @@ def test_the_engine_drafts_with_measured_layouts_and_stays_exact():
 
 
 def test_the_fastest_median_wins_and_linear_stays_unless_clearly_beaten():
-    assert (
-        dm.fastest({"linear": [5.0, 1.0, 5.0], "weight_first": [4.0, 4.0, 9.0]}) == "weight_first"
-    )  # medians
-    assert dm.fastest({"linear": [5.0, 5.0, 5.0], "weight_first": [4.9, 4.9, 0.1]}) == "linear"  # 2%: noise
+    # medians (5 against 4), not the best single sample
+    assert dm.fastest({"linear": [5.0, 1.0, 5.0], "weight_first": [4.0, 4.0, 9.0]}) == "weight_first"
+    # 2% faster is within the timer's noise
+    assert dm.fastest({"linear": [5.0, 5.0, 5.0], "weight_first": [4.9, 4.9, 0.1]}) == "linear"
 
 
 def test_draft_passes_time_each_layout_then_keep_the_fastest(monkeypatch):
@@ -126,9 +126,8 @@ def test_draft_passes_time_each_layout_then_keep_the_fastest(monkeypatch):
     assert table.chosen[(group, 1)] == "linear"
     wide = torch.randn(1, dm.MOST_ROWS + 1, layers[0].in_features, dtype=layers[0].weight.dtype)
     layers[0](wide)
-    assert (
-        len(ran) == 2 + len(dm.LAYOUTS) * dm.SAMPLES and len(table.chosen) == 2
-    )  # many rows: linear, untimed
+    # many rows: linear, untimed
+    assert len(ran) == 2 + len(dm.LAYOUTS) * dm.SAMPLES and len(table.chosen) == 2
 
 
 def test_one_shared_copy_holding_the_models_weights_and_the_model_untouched():

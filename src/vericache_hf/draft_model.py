@@ -43,7 +43,7 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 def check_narrowable(model: nn.Module, dtype: torch.dtype) -> None:
     """Refuse a model whose draft copy could not be an ordinary cast of its weights."""
-    devices = set(getattr(model, "hf_device_map", {}).values())
+    devices = _devices(model)
     if len(devices) > 1:
         raise ValueError(
             f"draft_dtype={str(dtype).removeprefix('torch.')!r} needs the model on one device, but it is split "
@@ -71,15 +71,14 @@ def draft_model(
     check_draft_matmul(matmul)
     dtype = resolve_dtype(name)
     narrow = dtype is not None and dtype != model.dtype
-    measured = matmul == "measured" and len(set(getattr(model, "hf_device_map", {}).values())) <= 1
+    measured = matmul == "measured" and len(_devices(model)) <= 1
     if not narrow and not measured:
         return None
     key = (dtype if narrow else None, str(model.device), measured)
     with _LOCK:
         copies = _COPIES.setdefault(model, {})
-        if (
-            key not in copies
-        ):  # built once: the per-call path is this lookup (None kept for a model not measurable)
+        # built once: the per-call path is this lookup (None kept for a model not measurable)
+        if key not in copies:
             if narrow:
                 check_narrowable(model, dtype)
             for stale in [k for k in copies if k[1] != key[1]]:  # copies on a device the model left
@@ -95,6 +94,11 @@ def check_draft_matmul(matmul: str) -> None:
     """Refuse a `draft_matmul` that is not one of `DRAFT_MATMULS`, naming them."""
     if matmul not in DRAFT_MATMULS:
         raise ValueError(f"draft_matmul must be one of {DRAFT_MATMULS}, got {matmul!r}.")
+
+
+def _devices(model: nn.Module) -> set:
+    """The devices of a model split by `device_map` (empty for a model loaded whole)."""
+    return set(getattr(model, "hf_device_map", {}).values())
 
 
 def _shared(model: nn.Module) -> nn.Module:

@@ -118,7 +118,7 @@ class PrefixReuse:
             drafts = [
                 self.compressor.restore(
                     {
-                        name.split(".", 2)[2]: _rows(t, rows).to(device, _stored_type(t, self.model.dtype))
+                        name.split(".", 2)[2]: _rows(t.to(device, _stored_type(t, self.model.dtype)), rows)
                         for name, t in state.items()
                         if _layer(name) == i
                     }
