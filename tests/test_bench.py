@@ -266,6 +266,10 @@ def test_a_cut_short_workload_goes_on_from_its_saved_repeats(llama):
     assert [s.rows for s in again] == [s.rows for s in first]
     rows = summarize(again, [two_batches])
     assert [r["identical_share"] for r in rows] == [1.0, 1.0]
+    for row in rows:  # the same tokens as full cache: the cell's ratio pools the batches' decode times
+        per_batch = row["decode_ratio_per_batch"]
+        assert len(per_batch) == 2 and min(per_batch) <= row["decode_ratio"] <= max(per_batch)
+    assert rows[0]["decode_ratio_per_batch"] == [1.0, 1.0]  # full cache against itself
     # A batch that is one method short (as written by older versions mid-batch) runs again from the start.
     short = [Sample.from_dict(d) for d in saved[1] + saved[3][:1]]
     third = run_bench(

@@ -165,6 +165,7 @@ def test_a_paired_run_matches_stock_generate_and_takes_ratios_to_the_call_beside
         # the same tokens: the ratio is that of the full-cache calls beside it to its own time
         assert row["speed_ratio"] == pytest.approx(row["reference_seconds"] / row["seconds"])
         assert row["decode_ratio"] == pytest.approx(row["reference_decode_seconds"] / row["decode_seconds"])
+        assert row["decode_ratio_per_batch"] == [pytest.approx(row["decode_ratio"])]  # one batch a workload
         # the prefill shown is the time to the first token, the library's own timer having run through turns
         assert f"| {row['method']} | {row['first_pass_seconds']:.2f} |" in time_table(rows)
     with pytest.raises(ValueError, match="leave them out"):

@@ -122,6 +122,8 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
             median(t - p for t, p in zip(s.reference_seconds, s.reference_prefill_seconds, strict=True))
             for s in group
         )
+    if all(s.batch_index in reference for s in group):
+        row["decode_ratio_per_batch"] = [_batch_decode_ratio(s, reference[s.batch_index]) for s in group]
     pairs = [
         (out, ref) for s in group for out, ref in zip(s.rows, reference[s.batch_index].rows, strict=True)
     ]
@@ -137,6 +139,21 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
     if peaks:  # the whole process at its peak in any run: weights, both tiers, activations, the heap
         row["peak_rss_bytes"] = max(peaks)
     return row
+
+
+def _batch_decode_ratio(sample: Sample, full: Sample) -> float:
+    """One prompt batch's decode speed against full cache's on it (in a paired run, the full-cache call that ran
+    beside it): a cell's ratio pools its batches, and this shows whether one batch carried it."""
+    decode = median(t - p for t, p in zip(sample.seconds, sample.prefill_seconds, strict=True))
+    runs = (
+        zip(sample.reference_seconds, sample.reference_prefill_seconds, strict=True)
+        if sample.reference_seconds
+        else zip(full.seconds, full.prefill_seconds, strict=True)
+    )
+    reference = median(t - p for t, p in runs)
+    mine = (sample.computed_tokens - sample.batch_size) / decode if decode > 0 else float("nan")
+    theirs = (full.computed_tokens - full.batch_size) / reference if reference > 0 else float("nan")
+    return _ratio(mine, theirs)
 
 
 def _code_quality(row, group, reference, workload: Workload, judge: _Judge) -> None:
@@ -225,9 +242,9 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     header = (
         "| workload | method | tok/s | x full | decode tok/s | x full (decode) | identical | parses | passes* "
-        "| accepted/round | draft tier MiB | full tier MiB | device KV MiB | peak RSS GiB |"
+        "| accepted/round | draft tier MiB | full tier MiB | device KV MiB | peak RSS GiB | x full (decode), per batch |"
     )
-    lines = [header, "|" + "---|" * 14]
+    lines = [header, "|" + "---|" * 15]
     for r in rows:
         cells = [
             r["workload"],
@@ -244,6 +261,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             _fmt(r.get("full_tier_bytes"), ".1f", MIB),
             _fmt(r.get("device_kv_bytes"), ".1f", MIB),
             _fmt(r.get("peak_rss_bytes"), ".1f", 2**30),
+            ", ".join(_fmt(v, ".2f") for v in r.get("decode_ratio_per_batch", [])) or "n/a",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
