@@ -11,17 +11,13 @@ import pytest
 from vericache_hf import VeriCacheConfig
 from vericache_hf.draft_length import (
     PRIORS,
-    AcceptanceCurve,
     AcceptanceDraftLength,
-    Calibration,
     CostAwareDraftLength,
     DraftLengthSchedule,
-    ProposalLength,
-    RunningLinearFit,
-    bounding_rows,
-    call_run,
     draft_length_schedule,
 )
+from vericache_hf.measures import AcceptanceCurve, Calibration, RunningLinearFit
+from vericache_hf.proposal_length import ProposalLength, bounding_rows, call_run
 
 from .conftest import random_prompt
 

@@ -21,11 +21,12 @@ from .cohort import Member
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
-from .draft_length import PRIORS, ProposalLength, draft_length_schedule
+from .draft_length import PRIORS, draft_length_schedule
 from .draft_model import draft_model
 from .loop import DecodeIO, Sequences, begin, decode, prefill_prefix, run_round
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
+from .proposal_length import ProposalLength
 from .proposers import build_proposer
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model, warn_slow_cpu_attention

@@ -29,9 +29,10 @@ from .cache.capture import LayerInputCapture
 from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
-from .draft_length import DraftLengthSchedule, ProposalLength, bounding_rows, call_run
+from .draft_length import DraftLengthSchedule
 from .prefix.reuse import PrefixReuse
 from .prefix.shared import SharedPrefixes
+from .proposal_length import ProposalLength, bounding_rows, call_run
 from .proposers import Proposer
 from .timeline import Timeline
 from .verify import choose, greedy_accept, proposal_accept, speculative_accept
