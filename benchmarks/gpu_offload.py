@@ -29,7 +29,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from vericache_hf import VeriCache
 from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import build_compressor
-from vericache_hf.loop import forward
+from vericache_hf.passes import forward
 
 SIZES = {  # Llama-3.2-1B- and Llama-3.1-8B-shaped; "small" and "tiny" are for CPU runs
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),

@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from vericache_hf import VeriCache
 from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import build_compressor
-from vericache_hf.loop import forward
+from vericache_hf.passes import forward
 
 
 def smollm2_shaped() -> LlamaForCausalLM:

@@ -17,7 +17,8 @@ from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf.compressors import SnapKVCompressor, build_compressor
 from vericache_hf.decoding import _build_cache, _prefix_reuse
 from vericache_hf.draft_length import draft_length_schedule
-from vericache_hf.loop import DecodeIO, begin, run_round
+from vericache_hf.loop import begin, run_round
+from vericache_hf.passes import DecodeIO
 from vericache_hf.prefix import DiskStore, PrefixStore, RedisStore, ThrottledStore, flush
 from vericache_hf.prefix.reuse import PrefixReuse
 from vericache_tools.redis_server import free_port

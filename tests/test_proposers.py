@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
-from vericache_hf.loop import widen_for
+from vericache_hf.hierarchy import widen_for
 from vericache_hf.proposers import PromptLookupProposer
 from vericache_hf.verify import proposal_accept, speculative_accept
 

@@ -31,7 +31,8 @@ from .cache.vericache import VeriCache
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
 from .draft_model import draft_model
-from .loop import DecodeIO, Decoding, Sequences, record_sizes, run_round
+from .loop import Decoding, record_sizes, run_round
+from .passes import DecodeIO, Sequences
 from .stats import VeriCacheStats
 
 #: The most cohorts `cohorts="auto"` runs at once.

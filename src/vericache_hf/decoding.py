@@ -23,7 +23,8 @@ from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
 from .draft_model import draft_model
-from .loop import DecodeIO, Sequences, begin, decode, prefill_prefix, run_round
+from .loop import begin, decode, prefill_prefix, run_round
+from .passes import DecodeIO, Sequences
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
 from .proposal_length import ProposalLength

@@ -12,150 +12,29 @@ The loop never sets the cache's state: each pass runs inside the cache phase it 
 Read it bottom up: `decode` runs `begin` (the prompt), then `run_round`s of `draft_round` -> `verify_round` ->
 `emit` -> `record_round` -> `commit_round` -> the schedule's `observe`, each round's state in one `Round` and the
 call's state between rounds in one `Decoding` (which a cohort of requests shares, see `cohort.py`); the passes they
-run (`draft`, `verify`, `forward`) and the accept rules (`accept`, in `verify.py`) sit above them.
+run (`draft`, `verify`) and the accept rules (`accept`, in `verify.py`) sit above them. What every pass shares
+(the rows' buffers, the call's io, `forward`) is in `passes.py`; drafting with a proposer in `hierarchy.py`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .cache.capture import LayerInputCapture
 from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
 from .draft_length import DraftLengthSchedule
+from .hierarchy import draft_with_proposals, propose_to_full_tier
+from .passes import DecodeIO, Sequences, emit, forward, process
 from .prefix.reuse import PrefixReuse
-from .prefix.shared import SharedPrefixes
-from .proposal_length import ProposalLength, bounding_rows, call_run
-from .proposers import Proposer
-from .timeline import Timeline
-from .verify import choose, greedy_accept, proposal_accept, speculative_accept
-
-
-@dataclass
-class Sequences:
-    """Per-row token buffers: each row grows by its own accepted count. Rows start with the (left-padded) prompt,
-    as stock `generate`'s `input_ids` do, so processors and stopping criteria see the same prefixes."""
-
-    tokens: torch.Tensor  # (B, capacity)
-    lengths: list[int]
-    unfinished: list[bool]
-    scores: list[list[torch.Tensor]] = field(default_factory=list)
-    raw_logits: list[list[torch.Tensor]] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # each row's first real token (after left padding)
-
-    @classmethod
-    def start(cls, input_ids: torch.Tensor, max_length: int, pad_token_id: int) -> Sequences:
-        batch, prompt = input_ids.shape
-        tokens = input_ids.new_full((batch, max(max_length, prompt)), pad_token_id)
-        tokens[:, :prompt] = input_ids
-        return cls(
-            tokens, [prompt] * batch, [True] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)]
-        )
-
-    def prefix(self, row: int) -> torch.Tensor:
-        return self.tokens[row : row + 1, : self.lengths[row]]
-
-    def text(self, row: int) -> torch.Tensor:
-        """The row's tokens without its left padding (1-D), as a proposer should see them."""
-        return self.tokens[row, self.starts[row] : self.lengths[row]]
-
-
-@dataclass
-class DecodeIO:
-    """What `generate` prepared and the loop uses to choose, stop and report tokens."""
-
-    logits_processor: LogitsProcessorList
-    stopping_criteria: StoppingCriteriaList
-    max_length: int
-    pad_token_id: int
-    do_sample: bool = False
-    streamer: object | None = None
-    keep_scores: bool = False
-    keep_logits: bool = False
-    proposer: Proposer | None = None  # hierarchical drafting: proposals the draft tier checks
-    proposal_length: ProposalLength | None = None  # how many a draft-tier pass checks
-    plain_proposal_length: ProposalLength | None = None  # how many a plain round verifies on the full tier
-    prefix: PrefixReuse | None = None  # a prefix store: reuse the prompt's prefix, or save it
-    shared: SharedPrefixes | None = None  # an engine's kept prefixes: seed the prefill, keep this prompt's
-    timeline: Timeline | None = None  # where prefill, draft and verify spans are recorded
-    drafter: torch.nn.Module | None = None  # `draft_dtype`'s copy of the model, for draft-tier passes
-    started: float = 0.0  # perf_counter() when decoding started
-    failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
-
-    def of(self, row: int) -> DecodeIO:
-        """The io that reports and stops `row`: this one, or in a cohort the row's own request's
-        (`cohort.CohortIO`)."""
-        return self
-
-
-def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Tensor], logits: torch.Tensor):
-    """Apply the logits processors to (B, V) logits for the position after each row's prefix plus its `drafts`
-    ((B, s), or one 1-D tensor per row when rows drafted different counts), exactly the input_ids stock `generate`
-    would hold there.
-
-    Processors may keep per-row state indexed by batch position (the repetition penalty's prompt lengths), so
-    each call sees the whole batch: one call per distinct row length, keeping the rows of that length."""
-    if not io.logits_processor:
-        return logits
-    rows = [row.to(seqs.tokens.device) for row in drafts]
-    totals = [seqs.lengths[b] + row.shape[-1] for b, row in enumerate(rows)]
-    scores = None
-    for total in sorted(set(totals)):
-        prefixes = seqs.tokens.new_full((len(rows), total), io.pad_token_id)
-        for b, row in enumerate(rows):
-            whole = torch.cat([seqs.tokens[b, : seqs.lengths[b]], row])[:total]
-            prefixes[b, : whole.shape[-1]] = whole
-        processed = io.logits_processor(prefixes, logits.clone())
-        keep = (torch.tensor(totals, device=logits.device) == total)[:, None]
-        scores = processed if scores is None else torch.where(keep, processed, scores)
-    return scores
-
-
-def forward(
-    model, cache: VeriCache, tokens: torch.Tensor, positions: torch.Tensor, keep: int | None = None
-) -> torch.Tensor:
-    """One pass of (B, q) tokens at absolute (B,) start `positions`, on the tier of the cache's current phase;
-    the logits of the last `keep` positions (all q by default)."""
-    query = tokens.shape[-1]
-    keep = keep or query
-    outputs = model(
-        input_ids=tokens,
-        position_ids=positions[:, None] + torch.arange(query, device=positions.device),
-        attention_mask=cache.attention_mask(query),
-        **cache_kwargs(model, cache),
-        use_cache=True,
-        logits_to_keep=keep,
-    )
-    return outputs.logits[:, -keep:]
-
-
-def emit(io: DecodeIO, seqs: Sequences, row: int, token: torch.Tensor, scores, raw) -> bool:
-    """Append one token to a row, report it, and check the stopping criteria on the new prefix. True = row stops."""
-    io = io.of(row)
-    if io.failed is not None:  # a cohort's row whose request failed: it leaves after this round
-        seqs.unfinished[row] = False
-        return True
-    at = seqs.lengths[row]
-    seqs.tokens[row, at] = token
-    seqs.lengths[row] = at + 1
-    if io.keep_scores:
-        seqs.scores[row].append(scores)
-    if io.keep_logits:
-        seqs.raw_logits[row].append(raw)
-    if io.streamer is not None:
-        io.streamer.put(token.reshape(1).cpu())
-    stop = bool(io.stopping_criteria(seqs.prefix(row), scores[None]).any()) if io.stopping_criteria else False
-    stop = stop or seqs.lengths[row] >= io.max_length
-    if stop:
-        seqs.unfinished[row] = False
-    return stop
+from .proposal_length import bounding_rows, call_run
+from .verify import choose, greedy_accept, speculative_accept
 
 
 def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, seqs: Sequences):
@@ -268,114 +147,6 @@ def draft(
             cache.stats.first_draft_seconds = time.perf_counter() - io.started
     cache.stats.draft_forwards += drafts.shape[-1]
     return drafts, torch.stack(probs, dim=1) if probs else None
-
-
-def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):
-    """Hierarchical drafting: each draft-tier pass checks a proposer's tokens for every row at once and keeps, per
-    row, the proposals that agree with the draft tier's own choice plus that choice (`verify.proposal_accept`),
-    until every row has k drafts. Rejected slots are masked (`cache.keep_drafted`) and rolled back with the rest
-    when drafting ends. Returns what `draft` returns; the drafted tokens are distributed as plain drafting's."""
-    batch, stats, schedule = pending.shape[0], cache.stats, io.proposal_length
-    rows = [pending.new_empty(0) for _ in range(batch)]
-    probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    token, position = pending.clone(), positions.clone()
-    # a row drafts no more than it can emit: stopped rows nothing, rows near max_length what fits
-    wanted = [min(k, io.max_length - seqs.lengths[b] - 1) if seqs.unfinished[b] else 0 for b in range(batch)]
-    while max(need := [wanted[b] - row.shape[-1] for b, row in enumerate(rows)]) > 0:
-        started = time.perf_counter()
-        left = {b: n for b, n in enumerate(need) if n > 0}  # passes go on until every row has k
-        bound = bounding_rows(left)
-        proposed = widen_for(
-            [
-                io.proposer.propose(
-                    b, torch.cat([seqs.text(b), rows[b].to(seqs.tokens.device)]), min(limit, n - 1)
-                )
-                if (limit := schedule.current) and n > 1
-                else pending.new_empty(0)
-                for b, n in enumerate(need)
-            ],
-            bound,
-        )
-        offered = [p.shape[-1] for p in proposed]
-        inputs = [torch.cat([token[b : b + 1], p.to(token.device)]) for b, p in enumerate(proposed)]
-        block = pad_rows(inputs, 1 + max(offered), io.pad_token_id, pending)
-        logits = forward(model, cache, block, position).float()  # (B, w, V)
-        scores = torch.stack(
-            [
-                process(
-                    io, seqs, [torch.cat([rows[b], block[b, 1 : 1 + s]]) for b in range(batch)], logits[:, s]
-                )
-                for s in range(block.shape[-1])
-            ],
-            dim=1,
-        )
-        kept, own = proposal_accept(block[:, 1:], torch.tensor(offered), scores, io.do_sample)
-        kept = kept.tolist()
-        live = [n > 0 for n in need]
-        slots = torch.arange(block.shape[-1])[None, :] <= torch.tensor(kept)[:, None]
-        cache.keep_drafted(slots & torch.tensor(live)[:, None])
-        for b in (b for b in range(batch) if live[b]):
-            rows[b] = torch.cat([rows[b], block[b, 1 : 1 + kept[b]], own[b : b + 1].to(block.device)])[:k]
-            if io.do_sample:
-                probs[b].extend(torch.softmax(scores[b, : kept[b] + 1], dim=-1).unbind(0))
-            token[b] = own[b]
-            position[b] += kept[b] + 1
-        offered_live = [o for o, alive in zip(offered, live, strict=True) if alive]
-        kept_live = [n for n, alive in zip(kept, live, strict=True) if alive]
-        stats.draft_forwards += 1
-        stats.proposed_tokens += sum(offered_live)
-        stats.proposal_kept_tokens += sum(kept_live)
-        seconds = time.perf_counter() - started
-        run = call_run(left, {b: offered[b] for b in left}, {b: kept[b] for b in left})
-        schedule.observe(block.shape[-1], seconds, [run[0]], [run[1]])
-    if not k:
-        return pending.new_empty((batch, 0)), None
-    # rows that stopped or are near max_length drafted fewer: padding, verified with the rest and never emitted
-    drafts = pad_rows(rows, k, io.pad_token_id, pending)
-    if not io.do_sample:
-        return drafts, None
-    vocab = scores.shape[-1]
-    return drafts, torch.stack(
-        [torch.stack(row[:k] + [scores.new_zeros(vocab)] * (k - len(row[:k]))) for row in probs]
-    )
-
-
-def propose_to_full_tier(
-    io: DecodeIO, seqs: Sequences, pending, bound: list[int]
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The proposer's tokens for a round that drafts nothing on the draft tier, to verify directly (classic
-    speculative decoding): (B, m) proposals after each row's pending token, padded, and (B,) real counts, or None
-    when `plain_proposal_length` says they do not pay or no `bound` row has any (`widen_for`). A row gets no more
-    than it can emit; stopped rows none."""
-    limit = io.plain_proposal_length.current
-    if not limit:
-        return None
-    rows = []
-    for b in range(len(seqs.lengths)):
-        room = io.max_length - seqs.lengths[b] - 1
-        wanted = min(limit, room) if seqs.unfinished[b] else 0  # the text ends in `pending`
-        rows.append(io.proposer.propose(b, seqs.text(b), wanted) if wanted > 0 else pending.new_empty(0))
-    rows = widen_for(rows, bound)
-    counts = torch.tensor([row.shape[-1] for row in rows])
-    if not int(counts.max()):
-        return None
-    return pad_rows(rows, int(counts.max()), io.pad_token_id, pending), counts
-
-
-def widen_for(proposed: list[torch.Tensor], bound: list[int]) -> list[torch.Tensor]:
-    """Each row's proposals cut to the longest of the `bound` rows' (`bounding_rows`): a pass widens only for
-    the rows the call waits for, the others' ride along in its width for free. On the embedded model at batch 4
-    and 2k tokens, an 11-token pass costs 2-3x a one-token one, and a row ahead gains the call nothing."""
-    width = max((proposed[b].shape[-1] for b in bound), default=0)
-    return [p[:width] for p in proposed]
-
-
-def pad_rows(rows: list[torch.Tensor], width: int, pad_token_id: int, like: torch.Tensor) -> torch.Tensor:
-    """(B, width) tokens on `like`'s device from 1-D rows of at most `width` tokens, padded on the right."""
-    block = like.new_full((len(rows), width), pad_token_id)
-    for b, row in enumerate(rows):
-        block[b, : row.shape[-1]] = row.to(block.device)
-    return block
 
 
 def verify(model, cache: VeriCache, pending, positions, drafts, io: DecodeIO, seqs: Sequences):
