@@ -104,24 +104,17 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
             row[key] = float("nan")
         return row
     seconds = sum(s.median_seconds for s in group)
-    decode_seconds = sum(
-        median(t - p for t, p in zip(s.seconds, s.prefill_seconds, strict=True)) for s in group
-    )
+    decode_seconds = sum(s.decode_seconds for s in group)
     tokens = sum(s.computed_tokens for s in group)
     rows_total = sum(s.batch_size for s in group)
     row["tokens_per_s"] = tokens / seconds
-    row["decode_tokens_per_s"] = (
-        (tokens - rows_total) / decode_seconds if decode_seconds > 0 else float("nan")
-    )
+    row["decode_tokens_per_s"] = _decode_rate(tokens - rows_total, decode_seconds)
     row["seconds"] = seconds
     row["decode_seconds"] = decode_seconds
     row["first_pass_seconds"] = sum(median(s.prefill_seconds) for s in group)  # to the first token
     if method.family != "full" and all(s.reference_seconds for s in group):
         row["reference_seconds"] = sum(median(s.reference_seconds) for s in group)
-        row["reference_decode_seconds"] = sum(
-            median(t - p for t, p in zip(s.reference_seconds, s.reference_prefill_seconds, strict=True))
-            for s in group
-        )
+        row["reference_decode_seconds"] = sum(s.reference_decode_seconds for s in group)
     if all(s.batch_index in reference for s in group):
         row["decode_ratio_per_batch"] = [_batch_decode_ratio(s, reference[s.batch_index]) for s in group]
     pairs = [
@@ -144,16 +137,16 @@ def _row(group: list[Sample], reference: dict[int, Sample], workload: Workload, 
 def _batch_decode_ratio(sample: Sample, full: Sample) -> float:
     """One prompt batch's decode speed against full cache's on it (in a paired run, the full-cache call that ran
     beside it): a cell's ratio pools its batches, and this shows whether one batch carried it."""
-    decode = median(t - p for t, p in zip(sample.seconds, sample.prefill_seconds, strict=True))
-    runs = (
-        zip(sample.reference_seconds, sample.reference_prefill_seconds, strict=True)
-        if sample.reference_seconds
-        else zip(full.seconds, full.prefill_seconds, strict=True)
+    reference = sample.reference_decode_seconds if sample.reference_seconds else full.decode_seconds
+    return _ratio(
+        _decode_rate(sample.computed_tokens - sample.batch_size, sample.decode_seconds),
+        _decode_rate(full.computed_tokens - full.batch_size, reference),
     )
-    reference = median(t - p for t, p in runs)
-    mine = (sample.computed_tokens - sample.batch_size) / decode if decode > 0 else float("nan")
-    theirs = (full.computed_tokens - full.batch_size) / reference if reference > 0 else float("nan")
-    return _ratio(mine, theirs)
+
+
+def _decode_rate(tokens: int, seconds: float) -> float:
+    """Tokens after the first (which the prefill emits) per second of decoding."""
+    return tokens / seconds if seconds > 0 else float("nan")
 
 
 def _code_quality(row, group, reference, workload: Workload, judge: _Judge) -> None:

@@ -64,6 +64,18 @@ class Sample:
     def median_seconds(self) -> float:
         return median(self.seconds) if self.seconds else float("nan")
 
+    @property
+    def decode_seconds(self) -> float:
+        """The median run's time after its first forward pass (the prefill)."""
+        return median(t - p for t, p in zip(self.seconds, self.prefill_seconds, strict=True))
+
+    @property
+    def reference_decode_seconds(self) -> float:
+        """The same for the full-cache calls that ran beside it (paired runs)."""
+        return median(
+            t - p for t, p in zip(self.reference_seconds, self.reference_prefill_seconds, strict=True)
+        )
+
     def to_dict(self) -> dict:
         """Everything measured, as JSON-ready values."""
         return asdict(self)  # the method and the stats become dicts too
