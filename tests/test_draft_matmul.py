@@ -24,7 +24,7 @@ from .test_threads import model_state, run_threads
 
 def forced(monkeypatch, layout: str) -> None:
     """Every measurement chooses `layout`, so that each layout's exactness is checked, not just the fastest here."""
-    monkeypatch.setattr(dm, "fastest", lambda times: layout)
+    monkeypatch.setattr(dm, "fastest", lambda ratios: layout)
 
 
 def layouts_used(drafter) -> set[str]:
@@ -86,19 +86,28 @@ def test_the_engine_drafts_with_measured_layouts_and_stays_exact():
     assert layouts_used(draft_model(model, None))  # the engine's drafts were measured
 
 
-def test_the_fastest_median_wins_and_linear_stays_unless_clearly_beaten():
-    # medians (5 against 4), not the best single sample
-    assert dm.fastest({"linear": [5.0, 1.0, 5.0], "weight_first": [4.0, 4.0, 9.0]}) == "weight_first"
+def test_the_median_ratio_decides_and_linear_stays_unless_clearly_beaten():
+    # the median (0.8), not the best single pair
+    assert dm.fastest([0.8, 0.1, 1.5]) == "weight_first"
     # 2% faster is within the timer's noise
-    assert dm.fastest({"linear": [5.0, 5.0, 5.0], "weight_first": [4.9, 4.9, 0.1]}) == "linear"
+    assert dm.fastest([0.98, 0.98, 0.1]) == "linear"
 
 
-def test_draft_passes_time_each_layout_then_keep_the_fastest(monkeypatch):
-    """Real timings of the layer's own products, with some layouts made slower by a sleep: the table must see it,
-    decide after `SAMPLES` products of each layout, and from then on run only the chosen one."""
+def test_each_weight_times_both_layouts_in_turn_and_the_order_flips():
+    """A weight's products take the layouts in turn, ABBA for even members and BAAB for odd ones: a slow pass (a
+    cold first one) lands on both layouts alike, and neighbours of one shape never all run one layout."""
+    linear, first = dm.LAYOUTS
+    assert [dm.turn(0, n) for n in range(4)] == [linear, first, first, linear]
+    assert [dm.turn(1, n) for n in range(4)] == [first, linear, linear, first]
+
+
+def test_draft_passes_pair_the_layouts_on_each_weight_then_keep_the_fastest(monkeypatch):
+    """Real timings of the layers' own products, with one layout made slower by a sleep: the table must see it,
+    decide after `PAIRS` pairs (each on one weight), and from then on run only the chosen one."""
     model = tiny_model("llama", seed=7, num_hidden_layers=2)
     drafter = draft_model(model, None)
     layers = [block.mlp.down_proj for block in drafter.model.layers]
+    assert [layer.member for layer in layers] == [0, 1]
     table, group = layers[0].layouts, layers[0].group
     original, ran, slow = dm.product, [], "linear"
 
@@ -110,24 +119,25 @@ def test_draft_passes_time_each_layout_then_keep_the_fastest(monkeypatch):
 
     monkeypatch.setattr(dm, "product", slowed)
     x = torch.randn(3, 1, layers[0].in_features, dtype=layers[0].weight.dtype)
-    for call in range(len(dm.LAYOUTS) * dm.SAMPLES):
+    for call in range(2 * dm.PAIRS):  # passes of the two layers: each layer finishes a pair every second pass
         layer = layers[call % 2]
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-    # the two layers of one shape shared their samples: every layout timed SAMPLES times, then the choice
-    assert sorted(ran) == sorted(list(dm.LAYOUTS) * dm.SAMPLES)
+    # every layout timed PAIRS times, the two layers in opposite turns, then the choice
+    assert sorted(ran) == sorted(list(dm.LAYOUTS) * dm.PAIRS)
+    assert ran[:4] == ["linear", "weight_first", "weight_first", "linear"]
     assert table.chosen == {(group, 3): "weight_first"}
     ran.clear()
     for layer in layers:
         layer(x)
     assert ran == ["weight_first"] * 2
     slow, one = "weight_first", x[:1]  # a single row (padded to two in weight_first) is measured apart
-    for call in range(len(dm.LAYOUTS) * dm.SAMPLES):
+    for call in range(2 * dm.PAIRS):
         layers[call % 2](one)
     assert table.chosen[(group, 1)] == "linear"
     wide = torch.randn(1, dm.MOST_ROWS + 1, layers[0].in_features, dtype=layers[0].weight.dtype)
     layers[0](wide)
     # many rows: linear, untimed
-    assert len(ran) == 2 + len(dm.LAYOUTS) * dm.SAMPLES and len(table.chosen) == 2
+    assert len(ran) == 2 + 2 * dm.PAIRS and len(table.chosen) == 2
 
 
 def test_one_shared_copy_holding_the_models_weights_and_the_model_untouched():

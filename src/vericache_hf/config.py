@@ -61,10 +61,11 @@ class VeriCacheConfig:
             drafts agree with it can. None drafts with the model itself.
         draft_matmul: how draft-tier passes multiply their few rows by the weights on the CPU. `"measured"` times
             `linear` against the same product with the weight first (`(W @ x.T).T`, a single row padded to two),
-            once per weight shape and row count, and keeps the fastest: PyTorch's CPU BLAS takes a slow path for a
-            handful of rows, and SmolLM2's float32 draft step spends 2-3x less in its linears this way here. The
-            drafting copy shares the model's weights (no memory), and the verify pass keeps `linear`, so the output
-            is unchanged. `"stock"` drafts with `linear` as the model does. No effect on an accelerator.
+            in turn on each weight, per weight shape and row count, and keeps the faster: PyTorch's CPU BLAS takes a
+            slow path for a handful of rows, and SmolLM2's float32 draft step spends 2-3x less in its linears this
+            way here. The drafting copy shares the model's weights (no memory), and the verify pass keeps `linear`,
+            so the output is unchanged. `"stock"` drafts with `linear` as the model does. No effect on an
+            accelerator.
         prefix_store: a `vericache_hf.prefix` store (`DiskStore`, `RedisStore`) that prompt prefixes are saved to
             and reused from: a prompt whose leading chunks were stored starts drafting on their compressed KV at once
             while the exact KV streams in behind, and its first verify pass prefills the rest of the prompt exactly.
