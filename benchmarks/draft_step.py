@@ -21,6 +21,32 @@ from vericache_hf import VeriCacheConfig, VeriCacheStats
 SETTINGS = [(None, "stock"), (None, "measured"), ("bfloat16", "stock"), ("bfloat16", "measured")]
 
 
+def drafted(
+    model, ids: torch.Tensor, new_tokens: int, ratio: float, **settings
+) -> tuple[torch.Tensor, VeriCacheStats]:
+    """One greedy VeriCache call of exactly `new_tokens`, SnapKV at `ratio`, 8 drafts a round (fixed), with
+    `settings` for its `VeriCacheConfig`: its output and its stats."""
+    stats = VeriCacheStats()
+    config = VeriCacheConfig(
+        compressor="snapkv",
+        compression_ratio=ratio,
+        draft_schedule="fixed",
+        draft_length=8,
+        stats=stats,
+        **settings,
+    )
+    output = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+    )
+    return output, stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -31,28 +57,9 @@ def main() -> None:
     outputs = []
     for repeat in range(args.repeats):
         for dtype, matmul in SETTINGS:
-            stats = VeriCacheStats()
-            config = VeriCacheConfig(
-                compressor="snapkv",
-                compression_ratio=0.5,
-                draft_schedule="fixed",
-                draft_length=8,
-                draft_dtype=dtype,
-                draft_matmul=matmul,
-                stats=stats,
-            )
             started = time.perf_counter()
-            outputs.append(
-                model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=40,
-                    min_new_tokens=40,
-                    do_sample=False,
-                    generation_mode="vericache",
-                    vericache_config=config,
-                )
-            )
+            output, stats = drafted(model, ids, 40, 0.5, draft_dtype=dtype, draft_matmul=matmul)
+            outputs.append(output)
             print(
                 f"repeat {repeat} draft_dtype={dtype} draft_matmul={matmul}: draft step "
                 f"{1000 * stats.draft_seconds / stats.draft_forwards:.0f} ms ({stats.draft_forwards} steps), "

@@ -15,9 +15,9 @@ import time
 import torch
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+from draft_step import drafted
 from plain_round import smollm2_shaped
 
-from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf import draft_model as dm
 from vericache_hf.draft_matmul import LAYOUTS, LayoutTable, MeasuredLinear
 
@@ -31,23 +31,7 @@ def table_of(model) -> LayoutTable:
 
 def call(model, ids: torch.Tensor) -> float:
     """One VeriCache call; its mean draft step in milliseconds."""
-    stats = VeriCacheStats()
-    config = VeriCacheConfig(
-        compressor="snapkv",
-        compression_ratio=1 - KEPT / ids.shape[-1],
-        draft_schedule="fixed",
-        draft_length=8,
-        stats=stats,
-    )
-    model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=28,
-        min_new_tokens=28,
-        do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
-    )
+    _, stats = drafted(model, ids, 28, 1 - KEPT / ids.shape[-1])
     return 1000 * stats.draft_seconds / stats.draft_forwards
 
 
