@@ -19,14 +19,14 @@ from draft_step import drafted
 from plain_round import smollm2_shaped
 
 from vericache_hf import draft_model as dm
-from vericache_hf.draft_matmul import LAYOUTS, LayoutTable, MeasuredLinear
+from vericache_hf.draft_matmul import LAYOUTS, MeasuredLinear
 
 KEPT = 1024
 
 
-def table_of(model) -> LayoutTable:
-    drafter = dm.draft_model(model, None)
-    return next(module.layouts for module in drafter.modules() if isinstance(module, MeasuredLinear))
+def measured(model) -> list[MeasuredLinear]:
+    """The linears of `model`'s drafting copy, which share one `LayoutTable`."""
+    return [module for module in dm.draft_model(model, None).modules() if isinstance(module, MeasuredLinear)]
 
 
 def call(model, ids: torch.Tensor) -> float:
@@ -51,16 +51,14 @@ def main() -> None:
         step = call(model, ids)
         chosen = {
             f"{group[0]}x{group[1]}": layout
-            for (group, rows), layout in sorted(table_of(model).chosen.items())
+            for (group, rows), layout in sorted(measured(model)[0].layouts.chosen.items())
         }
         print(
             f"call {index}: draft step {step:.1f} ms, {time.perf_counter() - started:.0f} s; {chosen}",
             flush=True,
         )
-    table = table_of(model)
-    groups = {
-        module.group for module in dm.draft_model(model, None).modules() if isinstance(module, MeasuredLinear)
-    }
+    layers = measured(model)
+    table, groups = layers[0].layouts, {layer.group for layer in layers}
     for index in range(args.forced):
         for attention in LAYOUTS:
             table.chosen.clear()
