@@ -4,12 +4,13 @@ their OpenMP teams never outnumber the cores and slow the decoding thread; the c
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
-from vericache_hf.background import run_ops_alone
+from vericache_hf.background import release_workers, run_ops_alone
 from vericache_hf.cache.transfer import TransferEngine
 from vericache_hf.prefix import DiskStore, flush
 
@@ -70,6 +71,45 @@ def test_run_ops_alone_narrows_only_the_calling_thread(two_threads):
     assert in_thread(alone) == 1
     assert torch.get_num_threads() == 2  # the caller's setting is untouched
     assert in_thread(torch.get_num_threads) == 2  # and so is what a new thread starts with
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+def test_release_workers_gives_back_only_the_calling_threads_team(two_threads):
+    """A thread that ran a parallel op keeps its OpenMP team (one worker at two threads) until it releases it; its
+    next parallel op starts a new one, and a waiting thread's team is untouched by another's release."""
+
+    def parallel_op() -> None:
+        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
+
+    parallel_op()  # this thread's own team, which the other thread's release must leave alone
+    counts = {}
+    may_end = threading.Event()
+
+    def releasing() -> None:
+        before = os_threads()
+        parallel_op()
+        counts["with team"] = os_threads() - before
+        release_workers()
+        counts["released"] = os_threads() - before
+        parallel_op()
+        counts["again"] = os_threads() - before
+        release_workers()
+        may_end.wait(30)
+
+    thread = threading.Thread(target=releasing)
+    thread.start()
+    while "again" not in counts and thread.is_alive():
+        thread.join(0.01)
+    mine = os_threads()
+    parallel_op()  # still runs on this thread's team, no new worker
+    assert os_threads() == mine
+    may_end.set()
+    thread.join(30)
+    assert counts == {"with team": 1, "released": 0, "again": 1}, counts
 
 
 def test_the_prefix_writer_loader_and_reader_threads_run_alone(tmp_path, two_threads):

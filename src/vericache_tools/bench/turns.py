@@ -15,6 +15,13 @@ refill after the other's turn: a fifth more at every token), so a call that ende
 (the same method again, untimed, stopped when every timed call has ended): no timed call runs its last steps
 alone, faster. Only ratios between the calls mean anything.
 
+Each call runs on its own thread, and each such thread (and the main one, which loaded the model) would keep an
+OpenMP team while it waits: more teams' threads than cores, and libgomp stops spinning between parallel ops in every
+team, which slowed a batch-4 draft step by half (82-83 ms against 53-57) and a full-cache step by a fifth, so a
+paired run understated VeriCache (`vericache_hf.background`). So a thread gives its team back before it waits for the
+turn (`release_workers`), as does the main thread before the calls start: only the running call holds a team, as a
+call on the main thread alone does.
+
 Turns are slices of time, not single tokens, so that every call pays for refilled caches at the same rate. Passed
 at every token, the full-cache partner of a call emitting n tokens a round ran n - 1 steps warm for each cold one
 while its partner ran every round cold: at batch 4 and 2k tokens the partners of VeriCache composed with prompt
@@ -32,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from vericache_hf.background import release_workers
 from vericache_hf.cache.capture import attention_modules
 
 from .methods import Generation, Method
@@ -128,6 +136,7 @@ class TurnStreamer(BaseStreamer):
             self.pass_turn()
 
     def pass_turn(self) -> None:
+        release_workers()  # this thread's OpenMP team, idle until the turn comes back
         self.turns.pass_turn(self.party)
         if self.stand_in and self.turns.all_timed_ended():
             raise _StandInDone
@@ -183,6 +192,7 @@ def run_side_by_side(
             turns.end(party)
 
     handles = [module.register_forward_hook(between_layers) for module in attention_modules(model)]
+    release_workers()  # the main thread's team, idle while the calls run
     try:
         threads = [
             threading.Thread(target=run, args=(party, method), name=f"bench-turn-{party}")
