@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
 
+from vericache_hf import VeriCacheEngine
 from vericache_hf.background import release_workers, run_ops_alone
 from vericache_hf.cache.transfer import TransferEngine
 from vericache_hf.prefix import DiskStore, flush
@@ -147,3 +149,41 @@ def test_the_transfer_worker_runs_alone(two_threads):
     assert torch.equal(got_keys[:, :, :40], keys)
     engine.release(transfer)
     assert widths == [1] and torch.get_num_threads() == 2
+
+
+class ParallelOp:
+    """A logits processor that runs a parallel op, so whichever thread processes scores holds an OpenMP team."""
+
+    def __call__(self, input_ids, scores):
+        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
+        return scores
+
+
+def native_threads() -> int:
+    """The process's threads that Python does not know of: OpenMP's workers, among others."""
+    return os_threads() - threading.active_count()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+@pytest.mark.parametrize("cohort_size", ["auto", 1])  # rows decoding in cohorts, or each alone on its worker
+def test_an_idle_engine_holds_no_openmp_team(two_threads, cohort_size):
+    """Once its requests are done, the engine's workers and cohort threads wait without a team, as does the caller in
+    `get_result`: a team left on a waiting thread would stop libgomp's spinning for the thread that decodes."""
+    from transformers import LogitsProcessorList
+
+    from .test_engine import CONFIG, prompts, stock, tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, logits_processor=LogitsProcessorList([ParallelOp()]))
+    inputs = prompts(3)
+    expected = [stock(model, prompt, 12) for prompt in inputs]
+    release_workers()
+    baseline = native_threads()
+    with VeriCacheEngine(model, CONFIG, max_concurrent=2, cohort_size=cohort_size) as engine:
+        ids = engine.add_requests(inputs, **kwargs)
+        outputs = [engine.get_result(request_id, timeout=60) for request_id in ids]
+        assert [out.generated_tokens for out in outputs] == expected
+        deadline = time.monotonic() + 10
+        while native_threads() != baseline and time.monotonic() < deadline:  # each thread reaches its wait
+            time.sleep(0.05)
+        assert native_threads() == baseline

@@ -4,6 +4,7 @@
 drafts on a compressed KV cache and verifies against the full one, so greedy output equals stock `generate`'s.
 """
 
+from .background import release_workers
 from .cache import VeriCache
 from .cache.refresh import RefreshPolicy
 from .cache.transfer import TransferError
@@ -35,6 +36,7 @@ __all__ = [
     "generate",
     "generate_batch",
     "register",
+    "release_workers",
     "set_default_mode",
     "vericache_generate",
     "warm_prefix",
