@@ -35,16 +35,27 @@ def drafted(
         stats=stats,
         **settings,
     )
-    output = model.generate(
+    return exactly(model, ids, new_tokens, generation_mode="vericache", vericache_config=config), stats
+
+
+def exactly(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
+    """A greedy call of exactly `new_tokens`, with `kwargs` for `generate`: its output."""
+    return model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
+        **kwargs,
     )
-    return output, stats
+
+
+def costs(stats: VeriCacheStats) -> str:
+    """A call's mean draft step and verify pass."""
+    return (
+        f"draft step {1000 * stats.draft_seconds / stats.draft_forwards:.1f} ms ({stats.draft_forwards} steps), "
+        f"verify pass {1000 * stats.verify_seconds / stats.rounds:.0f} ms"
+    )
 
 
 def main() -> None:
@@ -61,9 +72,7 @@ def main() -> None:
             output, stats = drafted(model, ids, 40, 0.5, draft_dtype=dtype, draft_matmul=matmul)
             outputs.append(output)
             print(
-                f"repeat {repeat} draft_dtype={dtype} draft_matmul={matmul}: draft step "
-                f"{1000 * stats.draft_seconds / stats.draft_forwards:.0f} ms ({stats.draft_forwards} steps), "
-                f"verify pass {1000 * stats.verify_seconds / stats.rounds:.0f} ms, "
+                f"repeat {repeat} draft_dtype={dtype} draft_matmul={matmul}: {costs(stats)}, "
                 f"call {time.perf_counter() - started:.1f} s",
                 flush=True,
             )

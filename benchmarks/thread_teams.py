@@ -14,7 +14,7 @@ import time
 import torch
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-from draft_step import drafted
+from draft_step import costs, drafted, exactly
 from plain_round import smollm2_shaped
 
 from vericache_hf import release_workers
@@ -38,14 +38,7 @@ class Clock:
 def full_cache(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """A stock greedy call of exactly NEW_TOKENS: its output and its decode seconds (first token to last)."""
     clock = Clock()
-    output = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        streamer=clock,
-    )
+    output = exactly(model, ids, NEW_TOKENS, streamer=clock)
     return output, clock.times[-1] - clock.times[1]
 
 
@@ -74,10 +67,9 @@ def main() -> None:
             output, stats = on_thread(where, lambda: drafted(model, ids, NEW_TOKENS, 0.5))
             reference, seconds = on_thread(where, lambda: full_cache(model, ids))
             outputs += [output, reference]
+            step = 1000 * seconds / (NEW_TOKENS - 1)
             print(
-                f"repeat {repeat} {where}: VeriCache draft step "
-                f"{1000 * stats.draft_seconds / stats.draft_forwards:.1f} ms, verify pass "
-                f"{1000 * stats.verify_seconds / stats.rounds:.0f} ms; full-cache step {1000 * seconds / (NEW_TOKENS - 1):.0f} ms",
+                f"repeat {repeat} {where}: VeriCache {costs(stats)}; full-cache step {step:.0f} ms",
                 flush=True,
             )
     print("same tokens:", all(torch.equal(outputs[0], out) for out in outputs))
