@@ -79,14 +79,20 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+counts_threads = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc"
+)
+
+
+def parallel_op() -> None:
+    """A product large enough for torch to run it on the calling thread's OpenMP team."""
+    (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
+
+
+@counts_threads
 def test_release_workers_gives_back_only_the_calling_threads_team(two_threads):
     """A thread that ran a parallel op keeps its OpenMP team (one worker at two threads) until it releases it; its
     next parallel op starts a new one, and a waiting thread's team is untouched by another's release."""
-
-    def parallel_op() -> None:
-        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
-
     parallel_op()  # this thread's own team, which the other thread's release must leave alone
     counts = {}
     may_end = threading.Event()
@@ -155,7 +161,7 @@ class ParallelOp:
     """A logits processor that runs a parallel op, so whichever thread processes scores holds an OpenMP team."""
 
     def __call__(self, input_ids, scores):
-        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
+        parallel_op()
         return scores
 
 
@@ -164,7 +170,7 @@ def native_threads() -> int:
     return os_threads() - threading.active_count()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+@counts_threads
 @pytest.mark.parametrize("cohort_size", ["auto", 1])  # rows decoding in cohorts, or each alone on its worker
 def test_an_idle_engine_holds_no_openmp_team(two_threads, cohort_size):
     """Once its requests are done, the engine's workers and cohort threads wait without a team, as does the caller in

@@ -14,8 +14,8 @@ threads and any other are untouched.
 A thread that has run parallel ops and now only waits still holds its team. That is the common case of decoding in a
 thread other than the one that loaded the model: the loading thread's idle team is enough to stop the spinning, and
 a batch-4 draft step took 82-86 ms against 53-60 ms on the thread that loaded the model (2 cores, SmolLM2's shapes,
-`benchmarks/thread_teams.py`).
-`release_workers` gives a waiting thread's team back; its next parallel op starts a new one.
+`benchmarks/thread_teams.py`). `release_workers` gives a waiting thread's team back; its next parallel op starts a
+new one.
 """
 
 from __future__ import annotations
