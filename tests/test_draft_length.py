@@ -424,6 +424,27 @@ def test_linear_fit_recovers_a_line_and_never_predicts_a_free_pass():
     assert flat.predict(1) == pytest.approx(0.2)  # one point: no slope
 
 
+def test_a_steep_slope_from_close_widths_does_not_keep_drafts_short():
+    """Measured at 8k tokens, batch 1: a probe's 5-token pass took 158 ms, then a 7-token one 216 ms (noise: passes of
+    11 and 42 tokens later took 206 and 353). Fitted as they were, 29 ms a token priced long drafts out, and every
+    later round drafted 4, which measured nothing wider. Shrunk toward flat, the slope lets the schedule draft
+    longer, and what it measures there settles the line."""
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    passes = []
+
+    def verify(width: int) -> float:  # the second drafted round's pass runs 29 ms a token above the first's
+        passes.append(width)
+        return 0.15 + 0.002 * width + (0.029 * (width - passes[0]) if len(passes) == 2 else 0.0)
+
+    lengths = run_plain_prices(schedule, 12, 0.04, [0.092], verify, accept_run=10_000)
+    assert lengths[2] == CostAwareDraftLength.PROBE_LENGTH and passes[1] > passes[0]
+    assert max(lengths[4:]) >= 32  # past the slow pass, drafts run long
+    far = RunningLinearFit(decay=0.95, slope_prior=CostAwareDraftLength.SLOPE_PRIOR)
+    for x in (5, 9, 17, 33, 5, 17):  # widths far apart: the data's own slope, nearly
+        far.add(x, 0.07 + 0.004 * x)
+    assert far.predict(65) == pytest.approx(0.07 + 0.004 * 65, rel=0.03)
+
+
 def test_a_pass_narrower_than_any_measured_is_not_priced_below_the_narrowest():
     # a CPU at batch 1, measured: 4 drafts a round (5-token passes) and 8 (9-token); 3-token passes took 134 ms
     fit = RunningLinearFit(decay=0.95)

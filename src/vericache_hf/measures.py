@@ -104,10 +104,15 @@ class RunningLinearFit:
 
     Below the least x measured the fit is flat, not extrapolated down: pass time is not linear in width there (on
     a CPU at batch 1, passes of 2-5 tokens cost about what 5 do), and a line through widths 5 and 9 priced a
-    3-token pass below a one-token one (65 against 76 ms; it took 134), so a call drafted 2 where no draft paid."""
+    3-token pass below a one-token one (65 against 76 ms; it took 134), so a call drafted 2 where no draft paid.
 
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
+    With `slope_prior` > 0 the slope is shrunk toward flat (ridge regression), as if passes spreading that much,
+    summed (x - mean x) ** 2 over passes, had shown no growth: a slope from few, close widths is then mostly
+    flat, and one from widths far apart is the data's own. What a fit is used to choose decides whether it needs
+    one (`CostAwareDraftLength.SLOPE_PRIOR`)."""
+
+    def __init__(self, decay: float, slope_prior: float = 0.0) -> None:
+        self.decay, self.slope_prior = decay, slope_prior
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.least, self.most = float("inf"), 0.0  # the least and greatest x measured
 
@@ -122,6 +127,6 @@ class RunningLinearFit:
             return 0.0
         x = max(x, self.least)
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        spread = self.sxx / self.n - mean_x**2
-        slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / spread) if spread > 1e-9 else 0.0
+        spread = self.sxx - self.n * mean_x**2 + self.slope_prior  # summed, not averaged, over the passes
+        slope = max(0.0, (self.sxy - self.n * mean_x * mean_y) / spread) if spread > 1e-9 else 0.0
         return max(0.1 * mean_y, mean_y + slope * (x - mean_x))  # no fit says a pass is nearly free
