@@ -9,37 +9,24 @@ full cache, SmolLM2-135M's shapes with random weights, fp32, a 2048-token prompt
 import argparse
 import os
 import threading
-import time
 
 import torch
 
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from draft_step import costs, drafted, exactly
 from plain_round import smollm2_shaped
+from serving import Times
 
 from vericache_hf import release_workers
 
 NEW_TOKENS = 40
 
 
-class Clock:
-    """A streamer noting when each put came: the prompt, then each new token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def full_cache(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """A stock greedy call of exactly NEW_TOKENS: its output and its decode seconds (first token to last)."""
-    clock = Clock()
+    clock = Times()
     output = exactly(model, ids, NEW_TOKENS, streamer=clock)
-    return output, clock.times[-1] - clock.times[1]
+    return output, clock.times[-1] - clock.times[0]
 
 
 def on_thread(where: str, call):
