@@ -7,12 +7,9 @@ path at about twice one, so at batch 1 any pass wider than one token costs 1.6-2
     python benchmarks/draft_pass_width.py
 """
 
-import os
 import time
 
 import torch
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from transformers import DynamicCache
 
 from vericache_hf.compat import cache_kwargs

@@ -8,12 +8,9 @@ measures the layouts); drafts are verified as always, so every call decodes the 
 """
 
 import argparse
-import os
 import time
 
 import torch
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from plain_round import smollm2_shaped
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats

@@ -9,12 +9,9 @@ turn, which prices a wrong choice there.
 """
 
 import argparse
-import os
 import time
 
 import torch
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from draft_step import drafted
 from plain_round import smollm2_shaped
 

@@ -5,13 +5,10 @@ weights, fp32, the two interleaved step by step, medians of 10 after 2 warm-ups.
     python benchmarks/plain_round.py
 """
 
-import os
 import statistics
 import time
 
 import torch
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from vericache_hf import VeriCache

@@ -15,13 +15,10 @@ on an accelerator (`stage_on_cpu`), which shows what the build itself costs.
 """
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from plain_round import smollm2_shaped  # noqa: E402
 from transformers import DynamicCache
 

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 import torch
 from transformers import DynamicCache

@@ -28,8 +28,6 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-
 METHODS = (
     "stock-batches",
     "hf-generate-batch",

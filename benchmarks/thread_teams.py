@@ -7,12 +7,9 @@ full cache, SmolLM2-135M's shapes with random weights, fp32, a 2048-token prompt
 """
 
 import argparse
-import os
 import threading
 
 import torch
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 from draft_step import costs, drafted, exactly
 from plain_round import smollm2_shaped
 from serving import Times

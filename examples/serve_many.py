@@ -6,10 +6,6 @@ Requests are added from any thread at any time; each prefills alone, then decode
 (a cohort). One request is streamed as it decodes; every answer is checked against stock `generate` of its prompt.
 """
 
-import os
-
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")  # on a CPU, a much faster verify pass
-
 import torch
 
 import vericache_hf

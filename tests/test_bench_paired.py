@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from vericache_hf.cache.capture import attention_modules
+from vericache_hf.pass_model import attention_layers, pass_model
 from vericache_tools.bench import Method, run_bench
 from vericache_tools.bench.methods import Generation
 from vericache_tools.bench.report import summarize, time_table
@@ -139,7 +139,8 @@ def test_a_failing_call_raises_in_the_caller_after_the_other_finishes(llama):
     with pytest.raises(RuntimeError, match="this call failed"):
         run_side_by_side(llama, [_Full("full"), _Failing()], workload.batches[0], max_new_tokens=6)
     assert len(finished) == 1  # the full-cache call ran to its end
-    assert all(not module._forward_hooks for module in attention_modules(llama))  # the turn hooks are gone
+    layers = attention_layers(llama) + attention_layers(pass_model(llama))
+    assert all(not module._forward_hooks for module in layers)  # the turn hooks are gone
 
 
 def test_a_paired_run_matches_stock_generate_and_takes_ratios_to_the_call_beside_it(llama):

@@ -14,6 +14,7 @@ from vericache_hf.cache.transfer import TransferEngine
 from vericache_hf.cohort import plan
 from vericache_hf.decoding import _build_cache
 from vericache_hf.loop import begin
+from vericache_hf.pass_model import pass_model
 from vericache_hf.passes import DecodeIO
 
 from .conftest import random_prompt, tiny_model
@@ -166,11 +167,11 @@ def test_rows_stack_and_select_back_to_what_each_cache_held(served):
     for length in (20, 33):
         cache = _build_cache(served, config, VeriCacheStats())[1]
         io = DecodeIO(LogitsProcessorList(), StoppingCriteriaList(), max_length=64, pad_token_id=0)
-        begin(served, cache, random_prompt(length, seed=length), None, None, io)  # the prompt, as a request's
+        begin(pass_model(served), cache, random_prompt(length, seed=length), None, None, io)  # as a request's
         caches.append(cache)
     both = _build_cache(served, config, VeriCacheStats())[1]
     io = DecodeIO(LogitsProcessorList(), StoppingCriteriaList(), max_length=64, pad_token_id=0)
-    begin(served, both, random_prompt(27, seed=27), None, None, io)
+    begin(pass_model(served), both, random_prompt(27, seed=27), None, None, io)
     rows.join(both, caches)  # rows 1 and 2 are the caches' rows
     assert both.full_valid.shape == (3, max(c.full_valid.shape[-1] for c in caches))
     rows.keep(both, [1, 2])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig, generate_batch
+from vericache_hf.attention import wrapped_name
 from vericache_hf.draft_model import draft_model
 from vericache_hf.prefix import DiskStore
 
@@ -100,7 +101,7 @@ def test_one_copy_per_model_and_type_shared_by_threads_and_the_model_untouched(l
     narrow = copies[0]
     assert narrow is not llama and {p.dtype for p in narrow.parameters()} == {torch.bfloat16}
     # on the CPU the copy attends eagerly (sdpa is slow there for one half-precision query); the model does not
-    assert narrow.config is not llama.config and narrow.config._attn_implementation == "eager"
+    assert narrow.config is not llama.config and narrow.config._attn_implementation == wrapped_name("eager")
     # the rotary frequencies stay in the model's precision: bfloat16 ones would turn long positions far off
     assert narrow.model.rotary_emb.inv_freq.dtype == llama.model.rotary_emb.inv_freq.dtype == torch.float64
     tied = llama.lm_head.weight is llama.model.embed_tokens.weight

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from vericache_hf import VeriCache, VeriCacheConfig, VeriCacheStats
+from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import build_compressor
 from vericache_hf.compressors.h2o import H2OCompressor
 from vericache_hf.compressors.streaming_llm import StreamingLLMCompressor
 from vericache_hf.decoding import _schedule_key
 from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
 from vericache_hf.loop import build_for_drafting
+from vericache_hf.pass_model import pass_model
 
 from .conftest import random_prompt, tiny_model
 
@@ -38,8 +40,9 @@ def prefilled(model, ids, method: str, mask=None, **settings) -> VeriCache:
     """A VeriCache holding `ids`'s prefill (ratio 0.5): the full tier, and the draft tier unless it was deferred."""
     mask = torch.ones_like(ids) if mask is None else mask
     cache = VeriCache(model.config.num_hidden_layers, build_compressor(method, 0.5), **settings)
-    with cache.prefilling(model, mask):
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    runner = pass_model(model)
+    with cache.prefilling(runner, mask):
+        runner(ids, attention_mask=mask, **cache_kwargs(runner, cache), use_cache=True)
     return cache
 
 
@@ -122,10 +125,10 @@ def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, meth
     assert (
         at_prefill.draft_tier_held and not deferred.draft_tier_held and deferred.stats.compress_seconds == 0
     )
-    held = deferred._held[0].hidden_states.shape[1]
-    assert held == (32 if method == "snapkv" else 40)  # SnapKV holds its observation window's inputs only
+    held = deferred._held[0].queries.shape[2]
+    assert held == (32 if method == "snapkv" else 40)  # SnapKV holds its observation window's queries only
     deferred.build_draft_tier()
-    assert deferred.draft_tier_held and not deferred._held  # the inputs are let go once used
+    assert deferred.draft_tier_held and not deferred._held  # the queries are let go once used
     for built, reference in zip(deferred.layers, at_prefill.layers, strict=True):
         for name, tensor in reference.draft.export().items():
             assert torch.equal(built.draft.export()[name], tensor), name
@@ -151,7 +154,7 @@ def test_a_build_declined_at_a_remembered_price_builds_nothing_and_releases_the_
     schedule = CostAwareDraftLength(VeriCacheConfig(compressor="h2o", compression_ratio=0.5))
     schedule.plain_step.add(0.01)  # a plain round's price: 20 tokens could save at most 0.2 s
     schedule.observe_build(10.0)  # the remembered build
-    assert cache._held and not build_for_drafting(llama, cache, schedule, remaining=20)
+    assert cache._held and not build_for_drafting(pass_model(llama), cache, schedule, remaining=20)
     assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
     assert cache.stats.compress_seconds == 0 and cache.stats.draft_tier_builds_declined == 1
     cache.close()

@@ -18,6 +18,7 @@ from vericache_hf.compressors import SnapKVCompressor, build_compressor
 from vericache_hf.decoding import _build_cache, _prefix_reuse
 from vericache_hf.draft_length import draft_length_schedule
 from vericache_hf.loop import begin, run_round
+from vericache_hf.pass_model import pass_model
 from vericache_hf.passes import DecodeIO
 from vericache_hf.prefix import DiskStore, PrefixStore, RedisStore, ThrottledStore, flush
 from vericache_hf.prefix.reuse import PrefixReuse
@@ -114,8 +115,9 @@ def test_suffix_queries_score_the_draft_tier_as_a_whole_prefill_would(llama, tmp
         compressor=SNAPKV_4, prefix_store=store, prefix_chunk_tokens=CHUNK, stage_on_cpu=stage_on_cpu
     )
     ids = request(1)
+    runner = pass_model(llama)
     whole = _build_cache(llama, config, VeriCacheStats())[1]
-    begin(llama, whole, ids, None, None, io_for())  # a prefill of the whole prompt
+    begin(runner, whole, ids, None, None, io_for())  # a prefill of the whole prompt
     if (
         not whole.draft_tier_held
     ):  # deferred on the CPU: built from the held layer inputs, as the first draft does
@@ -123,11 +125,11 @@ def test_suffix_queries_score_the_draft_tier_as_a_whole_prefill_would(llama, tmp
     for hit in (False, True):
         stats = VeriCacheStats()
         compressor, cache = _build_cache(llama, config, stats)
-        io = io_for(_prefix_reuse(llama, config, compressor, stats))
-        state = begin(llama, cache, ids, None, None, io)
+        io = io_for(_prefix_reuse(runner, config, compressor, stats))
+        state = begin(runner, cache, ids, None, None, io)
         schedule = draft_length_schedule(config)
-        run_round(llama, cache, state, io, schedule)  # the suffix's round
-        run_round(llama, cache, state, io, schedule)  # and one more
+        run_round(runner, cache, state, io, schedule)  # the suffix's round
+        run_round(runner, cache, state, io, schedule)  # and one more
         flush(store)
         assert stats.prefix_tokens_reused == (3 * CHUNK if hit else 0)
         committed = cache.full_valid.shape[-1]

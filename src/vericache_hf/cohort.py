@@ -33,6 +33,7 @@ from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
 from .draft_model import draft_model
 from .loop import Decoding, record_sizes, run_round
+from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
 from .stats import VeriCacheStats
 
@@ -128,6 +129,7 @@ class Cohort:
 
     def __init__(self, model, key: Hashable, config: VeriCacheConfig, do_sample: bool) -> None:
         self.model, self.key, self.config = model, key, config
+        self.runner = pass_model(model)  # what the passes run on (the model's own weights)
         self.members: list[Member] = []
         self.cache: VeriCache | None = None
         self.state: Decoding | None = None
@@ -164,7 +166,7 @@ class Cohort:
         self._set_members(self.members + joining)
 
     def run_round(self) -> None:
-        run_round(self.model, self.cache, self.state, self.io, self.schedule)
+        run_round(self.runner, self.cache, self.state, self.io, self.schedule)
 
     def release(self) -> list[Member]:
         """Finished rows leave: each member gets its own row's tokens back. Returns the members that left."""

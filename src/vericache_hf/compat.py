@@ -21,8 +21,10 @@ def passed_cache(model_kwargs: dict):
 
 
 def cache_kwargs(model, cache) -> dict:
-    """`{name: cache}` under the keyword this model's `forward` takes its cache by."""
-    return {_cache_keyword(type(model)): cache}
+    """`{name: cache}` under the keyword this model's `forward` takes its cache by, plus what the cache's current
+    pass hands the model's attention (`VeriCache.pass_kwargs`)."""
+    extra = cache.pass_kwargs() if hasattr(cache, "pass_kwargs") else {}
+    return {_cache_keyword(type(model)): cache, **extra}
 
 
 @functools.cache

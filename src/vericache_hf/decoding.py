@@ -24,13 +24,14 @@ from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
 from .draft_model import draft_model
 from .loop import begin, decode, prefill_prefix, run_round
+from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
 from .proposal_length import ProposalLength
 from .proposers import build_proposer
 from .stats import VeriCacheStats
-from .validation import check_generation, check_model, warn_slow_cpu_attention
+from .validation import check_generation, check_model
 
 
 @dataclass
@@ -86,9 +87,11 @@ def generate(
     generation_config = generation_config or model.generation_config
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
-    warn_slow_cpu_attention(model)
     check_generation(model, input_ids, generation_config, model_kwargs)
     streamer = vericache_streamer if vericache_streamer is not None else streamer
+    runner = pass_model(
+        model
+    )  # the passes run on it: the model's weights, VeriCache's attention (pass_model.py)
 
     stats = VeriCacheStats()
     compressor, cache = _build_cache(model, config, stats, vericache_transfers)
@@ -108,7 +111,7 @@ def generate(
             ProposalLength(proposer.max_tokens, fixed=config.draft_schedule == "fixed") if proposer else None
         ),
         plain_proposal_length=ProposalLength(proposer.max_tokens) if proposer else None,
-        prefix=_prefix_reuse(model, config, compressor, stats) if config.prefix_store is not None else None,
+        prefix=_prefix_reuse(runner, config, compressor, stats) if config.prefix_store is not None else None,
         shared=vericache_prefixes if config.prefix_store is None else None,
         timeline=config.timeline,
         drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
@@ -121,7 +124,7 @@ def generate(
     try:
         with cohorts.prefilling() if cohorts is not None else nullcontext():
             state = begin(
-                model,
+                runner,
                 cache,
                 input_ids,
                 model_kwargs.get("attention_mask"),
@@ -129,7 +132,7 @@ def generate(
                 io,
             )
             if cohorts is not None and state.pending.dim() == 2:  # a stored prefix: the suffix's round
-                run_round(model, cache, state, io, schedule)  # (its first token, and the full prefix in)
+                run_round(runner, cache, state, io, schedule)  # (its first token, and the full prefix in)
         shares = cohorts is not None and any(state.seqs.unfinished)
         if shares:
             build_carried_tier(cache)  # a query-aware tier is carried into the cohort, not rebuilt there
@@ -138,7 +141,7 @@ def generate(
             cache = None  # the cohort owns it now: it joins the cohort's, or becomes it
             seqs = cohorts.decode(member)
         else:
-            seqs = decode(model, cache, state, io, schedule)
+            seqs = decode(runner, cache, state, io, schedule)
             PRIORS.remember(model, settings, schedule)
     finally:
         if io.prefix is not None:
@@ -219,13 +222,14 @@ def warm_prefix(model, input_ids: torch.LongTensor, vericache_config: VeriCacheC
         raise ValueError(f"warm_prefix takes one prompt, shaped (1, T); got {tuple(input_ids.shape)}.")
     stats = VeriCacheStats()
     compressor, cache = _build_cache(model, config, stats)
-    reuse = _prefix_reuse(model, config, compressor, stats)
+    runner = pass_model(model)
+    reuse = _prefix_reuse(runner, config, compressor, stats)
     length = input_ids.shape[-1] // config.prefix_chunk_tokens * config.prefix_chunk_tokens
     if not length:
         return 0
     prefix = input_ids[:, :length].to(model.get_input_embeddings().weight.device)
     try:
-        prefill_prefix(model, cache, prefix)
+        prefill_prefix(runner, cache, prefix)
         reuse.save(cache, prefix)
     finally:
         cache.close()

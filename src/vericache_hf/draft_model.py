@@ -8,14 +8,14 @@ memory bandwidth, weights are most of its cost (on the 2-core CPU here a batch-4
 full tier's verify pass keeps the model's own weights and precision, so what is emitted does not change.
 
 The copy is made once per model, dtype, device and matmul choice, and shared by every call (under a lock); the model
-is never modified. A copy in the model's own type shares its weight tensors, costing no memory.
+is never modified. It is made from the pass model (`pass_model.py`), so drafts run the same wrapped attention as
+every other pass. A copy in the model's own type shares its weight tensors, costing no memory.
 Its buffers (the rotary frequencies) stay in the model's precision: a bfloat16 frequency is off by up to 0.4%,
 which at position 8000 turns the fastest rotation by tens of radians.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import weakref
 
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .draft_matmul import measurable, measure_layouts
+from .pass_model import pass_model, set_attention, shared_copy
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -63,8 +64,8 @@ DRAFT_MATMULS = ("measured", "stock")
 def draft_model(
     model: nn.Module, name: str | torch.dtype | None, matmul: str = "measured"
 ) -> nn.Module | None:
-    """The module that runs draft-tier passes: None (the model itself) when nothing would differ, else the shared
-    copy of `model`, on its device (a model moved since gets a new copy), with its parameters in `name`'s type
+    """The module that runs draft-tier passes: None (the pass model itself) when nothing would differ, else the
+    shared copy of `model`'s pass model, on its device (a model moved since gets a new copy), with its parameters in `name`'s type
     (`draft_dtype`; the model's own tensors when None or the model's type) and, for `matmul="measured"` on the
     CPU, measured layouts for its linear layers. Weights changed in place after a narrowed copy was made leave it
     stale: drafts then agree less often, and the output, verified by the model itself, stays the same."""
@@ -74,16 +75,20 @@ def draft_model(
     measured = matmul == "measured" and len(_devices(model)) <= 1
     if not narrow and not measured:
         return None
-    key = (dtype if narrow else None, str(model.device), measured)
+    source = pass_model(model)  # drafts run the passes' attention too
+    key = (dtype if narrow else None, str(model.device), measured, id(source))
     with _LOCK:
         copies = _COPIES.setdefault(model, {})
         # built once: the per-call path is this lookup (None kept for a model not measurable)
         if key not in copies:
             if narrow:
                 check_narrowable(model, dtype)
-            for stale in [k for k in copies if k[1] != key[1]]:  # copies on a device the model left
+            # copies on a device the model left, or of a pass model made again since
+            for stale in [k for k in copies if k[1:2] + k[3:] != key[1:2] + key[3:]]:
                 del copies[stale]
-            drafter = _narrowed(model, dtype) if narrow else _shared(model) if measurable(model) else None
+            drafter = (
+                _narrowed(source, dtype) if narrow else shared_copy(source) if measurable(source) else None
+            )
             if drafter is not None and measured and measurable(drafter):
                 measure_layouts(drafter)
             copies[key] = drafter
@@ -101,21 +106,15 @@ def _devices(model: nn.Module) -> set:
     return set(getattr(model, "hf_device_map", {}).values())
 
 
-def _shared(model: nn.Module) -> nn.Module:
-    """A copy of the module tree holding the model's own parameters (deepcopy's memo hands them back)."""
-    with torch.no_grad():
-        return copy.deepcopy(model, {id(p): p for p in model.parameters()}).eval()
-
-
 def _narrowed(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     # deepcopy's memo hands it the cast parameters, so the full-precision weights are never copied (tied weights
     # stay tied: one memo entry per parameter object)
+    # the buffers (rotary frequencies) stay the model's own tensors, in its precision
     memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
-    with torch.no_grad():
-        narrowed = copy.deepcopy(model, memo)
-    if narrowed.device.type == "cpu" and dtype.itemsize == 2 and hasattr(narrowed, "set_attn_implementation"):
+    narrowed = shared_copy(model, memo)
+    if narrowed.device.type == "cpu" and dtype.itemsize == 2:
         # sdpa's CPU kernel runs a one-token half-precision query 5-7x slower than a float32 one (2.6 against 0.4
         # ms a layer, 1k tokens, batch 4), which ate the weights' saving: a bfloat16 draft step took 0.19 s against
         # float32's 0.15 in the bench. Eager attention's matmuls take 0.6 ms. The copy's config is its own.
-        narrowed.set_attn_implementation("eager")
-    return narrowed.eval()
+        set_attention(narrowed, "eager")
+    return narrowed

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from .cache.capture import LayerInputCapture
+from .cache.capture import QueryCapture
 from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
@@ -183,14 +183,15 @@ def verify_after_prefix(
 
 
 def verify_suffix(model, cache: VeriCache, reuse, prefix, pending, positions, drafts, io, seqs, turn: Round):
-    """`verify_after_prefix`, keeping each layer's input when the draft tier should be scored again with the
+    """`verify_after_prefix`, keeping each layer's queries when the draft tier should be scored again with the
     prompt's own last queries, which the suffix holds (`refresh.rescores`): the draft tier came from the prefix
     alone, scored by the prefix's last queries, not by the prompt's."""
     if not rescores(cache.compressor, pending.shape[-1]):
         return verify_after_prefix(model, cache, reuse, prefix, pending, positions, drafts, io, seqs)
-    with LayerInputCapture(model, cache, cache.full_valid) as capture:
+    capture = QueryCapture(cache.full_valid, model, inputs=cache.compressor.reads_layer_inputs)
+    with cache.capturing(capture):
         result = verify_after_prefix(model, cache, reuse, prefix, pending, positions, drafts, io, seqs)
-        turn.captured = dict(capture.contexts)
+    turn.captured = dict(capture.contexts)
     return result
 
 

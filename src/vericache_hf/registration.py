@@ -14,6 +14,7 @@ import functools
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from .attention import register_attention
 from .config import VeriCacheConfig
 from .decoding import generate as vericache_decoding
 
@@ -141,7 +142,9 @@ def set_default_mode(model, vericache_config=None) -> None:
 
 def register() -> None:
     """Install the `generation_mode` kwarg on every transformers model (idempotent, also after a reload of this
-    module: the wrapper then replaces the old one, both wrapping the same stock `generate`)."""
+    module: the wrapper then replaces the old one, both wrapping the same stock `generate`), and the wrapped
+    attention implementations VeriCache's passes run (`attention.py`)."""
+    register_attention()
     if GenerationMixin.generate is not generate_with_modes:
         GenerationMixin.generate = generate_with_modes
     if GenerationMixin.generate_batch is not generate_batch_with_modes:

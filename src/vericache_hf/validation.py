@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import warnings
 
 import torch
 from transformers import GenerationConfig
@@ -93,21 +91,4 @@ def check_generation(
         raise ValueError(
             f"VeriCache builds its own two-tier cache; a {type(cache).__name__} was passed in past_key_values. "
             "Remove past_key_values (and cache_implementation) from the call."
-        )
-
-
-def warn_slow_cpu_attention(model) -> None:
-    """On a CPU, transformers' sdpa repeats K/V across query heads for any masked multi-token pass (every verify
-    pass) unless `TRANSFORMERS_SDPA_FORCE_GQA=1`; with it the verify pass is several times faster. A process-wide
-    setting is the user's to make, so this only says so (once per process, by the default warning filter)."""
-    config = model.config
-    grouped = getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads)
-    on_cpu = getattr(model, "device", torch.device("cpu")).type == "cpu"
-    unset = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") != "1"
-    if grouped and on_cpu and unset and config._attn_implementation == "sdpa":
-        warnings.warn(
-            "VeriCache's verify pass on a CPU runs several times faster with TRANSFORMERS_SDPA_FORCE_GQA=1 in "
-            "the environment (transformers' sdpa otherwise repeats K/V across query heads for masked passes). "
-            "It changes speed only: greedy output equals stock generate's either way.",
-            stacklevel=2,  # one stable place, so the default filter shows it once per process
         )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -152,8 +151,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}.")
-    # sdpa's grouped-query path, read at call time: faster on a CPU for all three methods, same output (as in bench).
-    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
     print("Loading the embedded SmolLM2-135M-Instruct ...", flush=True)
     model, tokenizer = load_embedded_model()
     text = long_code_prompt(tokenizer, humaneval_problems()[args.problem], args.context_tokens)

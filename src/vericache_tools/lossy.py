@@ -8,16 +8,16 @@ a lossy-only system.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from vericache_hf.attention import CAPTURE_KWARG
 from vericache_hf.cache import DraftStore
-from vericache_hf.cache.capture import LayerInputCapture
+from vericache_hf.cache.capture import QueryCapture
 from vericache_hf.cache.compressor import CompressionContext
 from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import Compressor, build_compressor
+from vericache_hf.pass_model import pass_model
 
 __all__ = ["LossyCache", "compressed_only_generate", "first_divergence"]
 
@@ -31,6 +31,7 @@ class LossyLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx, self.owner = layer_idx, owner
         self.draft: DraftStore | None = None
+        self.prompt_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -40,9 +41,13 @@ class LossyLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.owner.mode == "prefill":
-            captured = self.owner.capture.pop(self.layer_idx) if self.owner.capture is not None else None
-            context = captured or CompressionContext(layer_idx=self.layer_idx, valid=self.owner.prompt_valid)
-            self.draft = self.owner.compressor.compress(key_states, value_states, context)
+            if (
+                self.owner.capture is not None
+            ):  # compressed when the layer's queries arrive (`prompt_queries`)
+                self.prompt_kv = key_states, value_states
+            else:
+                context = CompressionContext(layer_idx=self.layer_idx, valid=self.owner.prompt_valid)
+                self.draft = self.owner.compressor.compress(key_states, value_states, context)
             return key_states, value_states
         valid = key_states.new_ones(key_states.shape[:1] + key_states.shape[2:3], dtype=torch.bool)
         self.draft.commit(key_states, value_states, valid)
@@ -60,14 +65,24 @@ class LossyLayer(CacheLayerMixin):
 
 class LossyCache(Cache):
     """A `Cache` made only of draft-tier stores (no full tier). `mode` is `prefill`, then `decode`. During a
-    prefill whose compressor reads the layers' inputs, `capture` holds them (one `CompressionContext` a layer)."""
+    prefill whose compressor scores with the layers' queries, `capture` hands them over (see `prompt_queries`)."""
 
     def __init__(self, num_layers: int, compressor: Compressor) -> None:
         self.compressor = compressor
         self.mode = "prefill"
         self.prompt_valid: torch.Tensor | None = None
-        self.capture: LayerInputCapture | None = None
+        self.capture: QueryCapture | None = None
         super().__init__(layers=[LossyLayer(i, self) for i in range(num_layers)])
+
+    def pass_kwargs(self) -> dict:
+        return {CAPTURE_KWARG: self.capture} if self.capture is not None else {}
+
+    def prompt_queries(self, context: CompressionContext) -> None:
+        """A prefill layer's queries arrived: compress its prompt K/V with them."""
+        layer = self.layers[context.layer_idx]
+        keys, values = layer.prompt_kv
+        layer.prompt_kv = None
+        layer.draft = self.compressor.compress(keys, values, context)
 
     def attention_mask(self, query_length: int) -> torch.Tensor:
         committed = self.layers[0].draft.valid
@@ -107,17 +122,23 @@ def compressed_only_generate(
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    # Query-aware compressors (SnapKV) read each layer's input: the capture keeps it for `LossyLayer.update`.
-    cache.capture = LayerInputCapture(model, cache, valid) if compressor.needs_hidden_states else None
-    with cache.capture or nullcontext():
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=valid.long(),
-            position_ids=positions,
-            **cache_kwargs(model, cache),
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
+    model = pass_model(model)  # query-aware compressors (SnapKV) get each layer's queries from its attention
+    if compressor.scores_with_queries:
+        cache.capture = QueryCapture(
+            valid,
+            model,
+            last=compressor.queries_read,
+            inputs=compressor.reads_layer_inputs,
+            on_layer=cache.prompt_queries,
+        )
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=valid.long(),
+        position_ids=positions,
+        **cache_kwargs(model, cache),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits
     cache.mode, cache.capture = "decode", None
     token = logits[:, -1].argmax(dim=-1)
     tokens = [token]

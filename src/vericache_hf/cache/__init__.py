@@ -2,7 +2,7 @@
 tier in for verification, the `Cache` that pairs them and drives them through phases, and the interface
 compressors implement (`Compressor`, `CompressionContext`)."""
 
-from .capture import LayerInputCapture
+from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore, TokenStore
 from .full_tier import HostKVStore
@@ -16,7 +16,7 @@ __all__ = [
     "Compressor",
     "DraftStore",
     "HostKVStore",
-    "LayerInputCapture",
+    "QueryCapture",
     "RefreshPolicy",
     "StagingBuffers",
     "TokenStore",

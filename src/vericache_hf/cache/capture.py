@@ -1,60 +1,80 @@
-"""Each attention layer's input during a prefill pass, for compressors that score tokens with queries (SnapKV).
+"""Each attention layer's queries in one pass, for compressors that score tokens with them (SnapKV, H2O).
 
-The hooks live only inside the `with` block, and they record a forward only when the cache it was given is this
-capture's own: another thread's forward on the same model (a plain `generate`, another VeriCache call) passes
-through them untouched. Nothing else about the model changes.
+A pass hands a `QueryCapture` to the model as `vericache_capture=`; the wrapped attention (`attention.py`) gives it
+each layer's queries as attention receives them, after the model's projections, norms and rotary embedding, so a
+compressor scores with exactly the queries the model attends with, whatever the family computes them like. A
+compressor that calls code of its own on the layer (a kvpress press) also gets the layer's input, which the pass
+model's attention layers hand over from a forward pre-hook of the copy (never the user's model).
+
+Nothing here is shared between calls: the capture is per pass, and another thread's forward carries none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
-from ..compat import passed_cache
+from ..attention import CAPTURE_KWARG
 from .compressor import CompressionContext
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The decoder's self-attention modules: those with a `q_proj` and a `layer_idx`."""
-    return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+class QueryCapture:
+    """Collects one `CompressionContext` per layer of a pass: its last `last` queries (all when None) and, with
+    `inputs`, the layer's input and attention kwargs. `on_layer` gets each as it is read (a prefill compresses the
+    layer there); without it they are kept in `contexts`. `valid` is the prompt's (B, T) validity."""
 
-
-class LayerInputCapture:
-    """Context manager: while it is open, each attention layer's input in a forward that passes `cache` is kept as
-    a `CompressionContext` until `pop(layer_idx)` takes it. `valid` is the prompt's (B, T) validity."""
-
-    def __init__(self, model: nn.Module, cache, valid) -> None:
-        self.model, self.cache, self.valid = model, cache, valid
+    def __init__(
+        self,
+        valid: torch.Tensor,
+        model: nn.Module | None = None,
+        last: int | None = None,
+        inputs: bool = False,
+        on_layer: Callable[[CompressionContext], None] | None = None,
+    ) -> None:
+        self.valid, self.model, self.last, self.inputs, self.on_layer = valid, model, last, inputs, on_layer
         self.contexts: dict[int, CompressionContext] = {}
-        self.handles: list = []
+        self._inputs: dict[int, tuple[torch.Tensor, dict]] = {}
 
-    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if passed_cache(kwargs) is not self.cache:
-            return  # another call's forward
-        self.contexts[module.layer_idx] = CompressionContext(
+    def read(self, module: nn.Module, query: torch.Tensor, scaling: float | None) -> None:
+        """A layer's (B, H_q, q, D) queries, from the wrapped attention."""
+        hidden, kwargs = self._inputs.pop(id(module), (None, {}))
+        if self.inputs and hidden is None:
+            raise ValueError(
+                f"{type(module).__name__} did not pass its input through the pass model's hook; this compressor "
+                "reads layer inputs, which this model's attention layers do not expose. Use snapkv, h2o or a "
+                "query-free compressor."
+            )
+        context = CompressionContext(
             layer_idx=module.layer_idx,
             valid=self.valid,
             model=self.model,
             module=module,
-            hidden_states=args[0] if args else kwargs["hidden_states"],
+            queries=query,
+            scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+            hidden_states=hidden,
             attention_kwargs=kwargs,
         )
+        if self.last is not None and self.last < query.shape[2]:
+            context = context.at_positions(slice(-self.last, None))
+        if self.on_layer is not None:
+            self.on_layer(context)
+        else:
+            self.contexts[module.layer_idx] = context
+
+    def record_input(self, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> None:
+        """A layer's input and attention kwargs, from the pass model's pre-hook (only kept when `inputs`)."""
+        if self.inputs:
+            kept = {k: v for k, v in kwargs.items() if k not in (CAPTURE_KWARG, "hidden_states")}
+            self._inputs[id(module)] = hidden_states, kept
 
     def pop(self, layer_idx: int) -> CompressionContext | None:
         return self.contexts.pop(layer_idx, None)
 
-    def __enter__(self) -> LayerInputCapture:
-        modules = attention_modules(self.model)
-        if len(modules) != self.model.config.num_hidden_layers:
-            raise ValueError(
-                "This compressor scores tokens with the layer's queries, but the model's attention modules "
-                "(with q_proj and layer_idx) were not all found. Use a query-free compressor such as 'kivi' "
-                "or 'streaming_llm'."
-            )
-        self.handles = [m.register_forward_pre_hook(self._record, with_kwargs=True) for m in modules]
-        return self
 
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        self.contexts.clear()  # hidden states are large: keep none past the prefill
+def record_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the pass model's attention layers: hands the layer's input to a pass's capture."""
+    capture = kwargs.get(CAPTURE_KWARG)
+    if capture is not None:
+        capture.record_input(module, args[0] if args else kwargs["hidden_states"], kwargs)

@@ -17,31 +17,52 @@ from .draft_tier import DraftStore
 class CompressionContext:
     """What a compressor may read when it builds one layer's draft tier at prefill.
 
-    `valid` is (B, T) bool, False on left padding. `module`, `hidden_states` (B, T, hidden) and `attention_kwargs`
-    (the attention layer's own forward kwargs, `position_embeddings` included) are set only for compressors whose
-    `needs_hidden_states` is True; `model` too (adapters such as kvpress's need it).
+    `valid` is (B, T) bool, False on left padding. For compressors that score with queries (`scores_with_queries`),
+    `queries` are the layer's (B, H_q, w, D) queries of the prompt's last w positions, exactly as its attention
+    received them (after norms and rotary embedding), with the layer's `scaling`, and `module` is the attention
+    layer. Compressors that run code of their own on the layer (`reads_layer_inputs`, kvpress presses) also get its
+    input `hidden_states` (B, w, hidden) and `attention_kwargs` (its forward kwargs, `position_embeddings`
+    included), and `model`.
     """
 
     layer_idx: int
     valid: torch.Tensor
     model: nn.Module | None = None
     module: nn.Module | None = None
+    queries: torch.Tensor | None = None
+    scaling: float | None = None
     hidden_states: torch.Tensor | None = None
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def at_positions(self, index: slice) -> CompressionContext:
-        """This context cut to the pass positions `index`: its hidden states and rotary embeddings (views)."""
+        """This context cut to the pass positions `index`: its queries, inputs and rotary embeddings (views)."""
         kwargs = dict(self.attention_kwargs)
-        cos, sin = kwargs["position_embeddings"]
-        kwargs["position_embeddings"] = (cos[:, index], sin[:, index])
-        return replace(self, hidden_states=self.hidden_states[:, index], attention_kwargs=kwargs)
+        if "position_embeddings" in kwargs:
+            cos, sin = kwargs["position_embeddings"]
+            kwargs["position_embeddings"] = (cos[:, index], sin[:, index])
+        return replace(
+            self,
+            queries=self.queries[:, :, index] if self.queries is not None else None,
+            hidden_states=self.hidden_states[:, index] if self.hidden_states is not None else None,
+            attention_kwargs=kwargs,
+        )
+
+    def detached(self) -> CompressionContext:
+        """A copy whose tensors are its own (a view would keep the whole pass's tensors alive while it is held)."""
+        return replace(
+            self,
+            queries=self.queries.clone() if self.queries is not None else None,
+            hidden_states=self.hidden_states.clone() if self.hidden_states is not None else None,
+        )
 
 
 class Compressor(ABC):
     """Builds a layer's draft tier from its exact K/V. Subclasses are dataclasses holding their parameters."""
 
-    #: Set to True when `compress` reads `context.module` / `context.hidden_states` (e.g. query-aware scoring).
-    needs_hidden_states: ClassVar[bool] = False
+    #: True when `compress` scores with the prompt's queries (`context.queries`, `context.module`).
+    scores_with_queries: ClassVar[bool] = False
+    #: True when `compress` also reads the layer's input (`context.hidden_states`, `context.attention_kwargs`).
+    reads_layer_inputs: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
@@ -52,7 +73,7 @@ class Compressor(ABC):
         """How many of the prompt's last tokens' layer inputs `compress` reads: 0 for a K/V-only compressor, None
         for all of them. A prompt whose leading K/V come from a shared prefix is prefilled from there on, so only
         a compressor that reads no more than that suffix's queries can build its draft tier then."""
-        return None if self.needs_hidden_states else 0
+        return None if self.scores_with_queries else 0
 
     @property
     def restorable(self) -> bool:

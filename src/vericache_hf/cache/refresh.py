@@ -6,12 +6,12 @@ tokens, or when the mean accepted run of recent rounds falls below `min_accepted
 lossless, so a refresh changes speed, never output. It costs one host-to-device copy of the full tier (streamed
 through the transfer engine, one layer on the device at a time) plus one compression per layer; `refresh_seconds` records it.
 
-Only compressors that work from K/V alone can refresh (`needs_hidden_states` False: StreamingLLM, KNorm, the
-quantizers, compositions of these); query-aware methods (SnapKV, H2O, kvpress presses) need the prompt's hidden
-states, which a prefill on the CPU holds only until the draft tier's one deferred build (`compress_prompt`), and
+Only compressors that work from K/V alone can refresh (`scores_with_queries` False: StreamingLLM, KNorm, the
+quantizers, compositions of these); query-aware methods (SnapKV, H2O, kvpress presses) need the prompt's
+queries, which a prefill on the CPU holds only until the draft tier's one deferred build (`compress_prompt`), and
 which are otherwise gone after prefill. One case gets them later: a prompt whose prefix came from a prefix store,
-whose draft tier was scored by the prefix's own last queries. Its first verify pass computes the suffix's layer
-inputs exactly, and `rescore_draft_tier` builds the draft tier a prefill of the whole prompt would have.
+whose draft tier was scored by the prefix's own last queries. Its first verify pass computes the suffix's queries
+exactly, and `rescore_draft_tier` builds the draft tier a prefill of the whole prompt would have.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .compressor import CompressionContext, Compressor
 
 
 def check_refreshable(compressor: Compressor) -> None:
-    if compressor.needs_hidden_states:
+    if compressor.scores_with_queries:
         raise ValueError(
             f"{type(compressor).__name__} scores tokens with the layer's queries, which are not kept after prefill, "
             "so its draft tier cannot be refreshed. Use refresh with a K/V-only compressor (streaming_llm, knorm, "
@@ -61,14 +61,14 @@ def rescores(compressor: Compressor, suffix_length: int) -> bool:
     """Whether `rescore_draft_tier` applies: a compressor that scores with a bounded window of the prompt's last
     queries, all of them in a suffix of `suffix_length` tokens."""
     window = compressor.queries_read
-    return compressor.needs_hidden_states and window is not None and 0 < window <= suffix_length
+    return compressor.scores_with_queries and window is not None and 0 < window <= suffix_length
 
 
 def rescore_draft_tier(
     cache, contexts: dict[int, CompressionContext], prompt_length: int, suffix_length: int
 ) -> None:
     """Rebuild every layer's draft tier from its full tier, scored with the prompt's last queries: `contexts` are
-    the layer inputs of a pass whose first `suffix_length` positions ended the prompt at `prompt_length` (captured
+    the layer queries of a pass whose first `suffix_length` positions ended the prompt at `prompt_length` (captured
     after a stored prefix, see `rescores`). The prompt's tokens are compressed as a prefill of the whole prompt
     would have; the tokens committed after it are appended whole, as commits append them.
 
@@ -76,13 +76,13 @@ def rescore_draft_tier(
     for layer in cache.layers:
         # the pass's first `suffix_length` positions are the prompt's last tokens
         context = contexts[layer.layer_idx].at_positions(slice(0, suffix_length))
-        valid = cache.full_valid[:, :prompt_length].to(context.hidden_states.device)
+        valid = cache.full_valid[:, :prompt_length].to(context.queries.device)
         compress_prompt(cache, layer, replace(context, valid=valid), prompt_length)
 
 
 def compress_prompt(cache, layer, context: CompressionContext, prompt_length: int) -> float:
     """Build one layer's draft tier from its full tier as a prefill would have: the first `prompt_length` tokens
-    compressed with the prompt's layer input `context`, the tokens committed since appended whole. Returns the
+    compressed with the prompt's queries in `context`, the tokens committed since appended whole. Returns the
     seconds it took."""
     keys, values = cache.layer_full_tier(layer.layer_idx)
     started = time.perf_counter()

@@ -3,8 +3,8 @@ on the host), driven through explicit phases. Each phase is a context manager th
 exit, error included; nothing outside this class writes the phase.
 
 - `prefilling(model, valid)`: the prompt's exact K/V go to the full tier and the compressor builds the draft tier
-  from them (with each layer's input captured, for compressors that score with queries), or, on a layer that reads
-  its full tier in place, leaves that to `build_draft_tier` when drafting starts (holding the layer inputs a
+  from them (with each layer's queries, for compressors that score with them), or, on a layer that reads
+  its full tier in place, leaves that to `build_draft_tier` when drafting starts (holding the queries a
   query-aware compressor reads until then);
 - `drafting(k)`: drafted tokens go after the draft tier's committed slots; the full tier starts streaming to the
   device for the next verify pass; on exit the drafts are rolled back (the draft tier holds only committed tokens);
@@ -29,15 +29,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..attention import CAPTURE_KWARG
 from ..stats import VeriCacheStats
 from ..timeline import Timeline
-from .capture import LayerInputCapture
+from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
@@ -67,6 +67,7 @@ class VeriCacheLayer(CacheLayerMixin):
         self.draft: DraftStore | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pending_in_place = False
+        self.prompt_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # until the layer's queries arrive
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -108,17 +109,20 @@ class VeriCacheLayer(CacheLayerMixin):
                 if self.reads_in_place
                 else (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
             )
-        captured = owner.captured(self.layer_idx)
-        if owner.defers_compression(self):
-            # `build_draft_tier` compresses these very K/V (with the held input) when drafting needs them
-            if captured is not None:
-                owner.hold_layer_input(captured)
-            return keys, values
-        context = captured or CompressionContext(self.layer_idx, owner.prompt_valid)
-        started = time.perf_counter()
-        self.draft = owner.compressor.compress(keys, values, context)
-        owner.stats.compress_seconds += time.perf_counter() - started
+        if owner.compressor.scores_with_queries:
+            # the layer's queries reach attention after this update: `prompt_queries` compresses then
+            self.prompt_kv = keys, values
+        elif not owner.defers_compression(self):
+            self.build_from_prompt(CompressionContext(self.layer_idx, owner.prompt_valid))
         return keys, values
+
+    def build_from_prompt(self, context: CompressionContext) -> None:
+        """Build the draft tier from the prompt's K/V, which are on the layer's device now."""
+        keys, values = self.prompt_kv if self.prompt_kv is not None else self.full.view()
+        self.prompt_kv = None
+        started = time.perf_counter()
+        self.draft = self.owner.compressor.compress(keys, values, context)
+        self.owner.stats.compress_seconds += time.perf_counter() - started
 
     def _draft(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft tier then the drafted tokens. A drafting model of another float type (`draft_dtype`) gets
@@ -212,7 +216,7 @@ class VeriCache(Cache):
         self.phase = "idle"
         self.prompt_valid: torch.Tensor | None = None
         self.full_valid: torch.Tensor | None = None
-        self._capture: LayerInputCapture | None = None
+        self._capture: QueryCapture | None = None
         self._held: dict[int, CompressionContext] = {}  # layer inputs a deferred query-aware build reads
         self._round: dict[int, LayerTransfer] | None = None  # the next verify pass's transfers, by layer
         self._staged: list[LayerTransfer] = []  # transfers the running verify pass has read
@@ -246,19 +250,53 @@ class VeriCache(Cache):
         self.full_valid = self.prompt_valid.clone()
         self._full_dense = bool(self.prompt_valid.all())
         capture = (
-            LayerInputCapture(model, self, self.prompt_valid)
-            if self.compressor.needs_hidden_states
-            else nullcontext()
+            QueryCapture(
+                self.prompt_valid,
+                model,
+                last=self.compressor.queries_read,
+                inputs=self.compressor.reads_layer_inputs,
+                on_layer=self._prompt_queries,
+            )
+            if self.compressor.scores_with_queries
+            else None
         )
-        with self._phase("prefilling", "idle"), capture as self._capture:
-            try:
-                yield
-            finally:
-                self._capture = None
+        with self._phase("prefilling", "idle"), self.capturing(capture):
+            yield
+        missed = [layer.layer_idx for layer in self.layers if layer.prompt_kv is not None]
+        if missed:
+            for layer in self.layers:
+                layer.prompt_kv = None
+            raise ValueError(
+                f"{type(self.compressor).__name__} scores tokens with each layer's queries, but layers {missed} "
+                "did not pass theirs through transformers' attention interface. Use a compressor that reads K/V "
+                "alone (streaming_llm, knorm, kivi, ...) with this model."
+            )
         if 0 < len(self._unbuilt()) < len(self.layers):
             # a model split between an accelerator and the CPU: the CPU layers deferred, the others compressed; a
             # draft pass needs every layer's draft tier over the same tokens, so the rest are built from the prompt
             self.build_draft_tier()
+
+    @contextmanager
+    def capturing(self, capture: QueryCapture | None) -> Iterator[QueryCapture | None]:
+        """Hand `capture` to the attention layers of the passes run inside (`pass_kwargs`)."""
+        self._capture = capture
+        try:
+            yield capture
+        finally:
+            self._capture = None
+
+    def pass_kwargs(self) -> dict:
+        """What a forward on this cache passes the model besides it: the capture, while one is open."""
+        return {CAPTURE_KWARG: self._capture} if self._capture is not None else {}
+
+    def _prompt_queries(self, context: CompressionContext) -> None:
+        """A prefill layer's queries arrived: compress its prompt K/V now, or hold them for `build_draft_tier`."""
+        layer = self.layers[context.layer_idx]
+        if self.defers_compression(layer):
+            layer.prompt_kv = None
+            self._held[context.layer_idx] = context.detached()
+        else:
+            layer.build_from_prompt(context)
 
     def seed_prefix(self, layers: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Start the full tier with a shared prefix's exact K/V: per layer, its (1, H, n, D) pieces in order, copied
@@ -337,34 +375,20 @@ class VeriCache(Cache):
             )
         self.full_tier_loading = False
 
-    def captured(self, layer_idx: int) -> CompressionContext | None:
-        """The layer input captured in this prefill, if the compressor asked for it."""
-        return self._capture.pop(layer_idx) if self._capture is not None else None
-
     def defers_compression(self, layer: VeriCacheLayer) -> bool:
         """Whether the prefill leaves this layer's draft tier to `build_draft_tier`: a layer that reads its full
         tier in place compresses the same K/V later at no transfer cost. The first token then does not wait for
         compression (H2O's scoring costs about two more attention passes of the prompt), and a call whose rounds
-        are all plain never compresses. A query-aware compressor's layer inputs are held until then (the last
-        `queries_read` of them), unless a stored prefix seeded the prompt: its queries are the suffix's alone. On
-        an accelerator the prompt's K/V are compressed while they are on the device, as before."""
+        are all plain never compresses. A query-aware compressor's queries are held until then (the last
+        `queries_read` of them; H2O reads them all, as many floats as the layer input), unless a stored prefix
+        seeded the prompt: its queries are the suffix's alone. On an accelerator the prompt's K/V are compressed
+        while they are on the device."""
         return layer.reads_in_place and (self.draft_tier_rebuildable or not self.seeded_tokens)
-
-    def hold_layer_input(self, context: CompressionContext) -> None:
-        """Keep a deferred layer's captured input for `build_draft_tier`: its last `queries_read` positions, or all
-        of them (H2O reads every prompt query: hidden size / (2 x K/V width) times the full tier, 1.5x for
-        SmolLM2-135M, held until the build is paid or declined, or the call ends)."""
-        window = self.compressor.queries_read
-        if window is not None and window < context.hidden_states.shape[1]:
-            context = context.at_positions(slice(-window, None))
-            # a copy: a view would keep the whole (B, T, hidden) input alive
-            context = replace(context, hidden_states=context.hidden_states.clone())
-        self._held[context.layer_idx] = context
 
     @property
     def draft_tier_buildable(self) -> bool:
-        """Whether `build_draft_tier` can build the draft tier now: from the full tier alone, or with the layer
-        inputs held since the prefill (a query-aware build declined once has released them)."""
+        """Whether `build_draft_tier` can build the draft tier now: from the full tier alone, or with the queries
+        held since the prefill (a query-aware build declined once has released them)."""
         return self.draft_tier_rebuildable or all(layer.layer_idx in self._held for layer in self._unbuilt())
 
     @property
@@ -379,7 +403,7 @@ class VeriCache(Cache):
     @property
     def draft_tier_rebuildable(self) -> bool:
         """Whether the compressor can build the draft tier from the full tier alone (no prompt queries needed)."""
-        return not self.compressor.needs_hidden_states
+        return not self.compressor.scores_with_queries
 
     def free_draft_tier(self) -> None:
         """Drop every layer's draft tier (its device memory) while rounds are plain: commits then write the full
@@ -404,7 +428,7 @@ class VeriCache(Cache):
         more than a whole answer's drafting could save: HQQ's takes about a prefill's time on a CPU). Returns
         whether the draft tier was built. `price`, when an earlier build was measured, is asked of `afford` instead,
         before any layer is built. A query-aware compressor builds from the layer inputs held since the prefill
-        (`hold_layer_input`), which a build uses up and a refusal releases: its tier is then never built."""
+        (`_prompt_queries`), which a build uses up and a refusal releases: its tier is then never built."""
         if not self.draft_tier_buildable:
             raise RuntimeError(
                 f"{type(self.compressor).__name__} scores tokens with the prompt's layer inputs, and none are held "

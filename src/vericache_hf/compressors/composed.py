@@ -39,15 +39,19 @@ class ComposedCompressor(Compressor):
                     f"Stage {index} ({type(stage).__name__}) does not drop tokens, so it cannot come before another "
                     "stage. Put token-dropping compressors first and a quantizer (or any compressor) last."
                 )
-            if index > 0 and stage.needs_hidden_states:
+            if index > 0 and stage.scores_with_queries:
                 raise ValueError(
                     f"Stage {index} ({type(stage).__name__}) scores with the layer's queries, which only the first "
                     "stage can do. Put it first."
                 )
 
     @property
-    def needs_hidden_states(self) -> bool:  # type: ignore[override]
-        return self.stages[0].needs_hidden_states
+    def scores_with_queries(self) -> bool:  # type: ignore[override]
+        return self.stages[0].scores_with_queries
+
+    @property
+    def reads_layer_inputs(self) -> bool:  # type: ignore[override]
+        return self.stages[0].reads_layer_inputs
 
     @property
     def queries_read(self) -> int | None:  # type: ignore[override]
@@ -56,7 +60,9 @@ class ComposedCompressor(Compressor):
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         for stage in self.stages[:-1]:
             keys, values, valid = stage.select(keys, values, context)
-            context = replace(context, valid=valid, module=None, hidden_states=None, attention_kwargs={})
+            context = replace(
+                context, valid=valid, module=None, queries=None, hidden_states=None, attention_kwargs={}
+            )
         return self.stages[-1].compress(keys, values, context)
 
     @property

@@ -34,7 +34,7 @@ class H2OCompressor(ScorerCompressor):
         chunk_size: prompt queries scored at once (bounds the attention matrix held in memory).
     """
 
-    needs_hidden_states: ClassVar[bool] = True
+    scores_with_queries: ClassVar[bool] = True
     compression_ratio: float = 0.5
     recent_size: int = 32
     chunk_size: int = 512
@@ -49,7 +49,7 @@ class H2OCompressor(ScorerCompressor):
         queries = window_queries(context, length).float()  # (B, H_q, T, D)
         valid = context.valid.to(keys.device)
         accumulate = _accumulated_flash if keys.device.type == "cpu" else self._accumulated_chunked
-        scores = accumulate(queries, keys.float(), valid, context.module.scaling)
+        scores = accumulate(queries, keys.float(), valid, context.scaling)
         if self.recent_size:
             scores[..., -self.recent_size :] = scores.max() + 1
         return scores

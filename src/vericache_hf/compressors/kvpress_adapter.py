@@ -75,7 +75,8 @@ class KVPressCompressor(Compressor):
         budget: tokens kept per layer, instead of the press's ratio (plain scorer presses only).
     """
 
-    needs_hidden_states: ClassVar[bool] = True
+    scores_with_queries: ClassVar[bool] = True
+    reads_layer_inputs: ClassVar[bool] = True
     press: Any = None
     budget: int | None = None
     _layers: dict[int, LayerResult] = field(default_factory=dict, init=False, repr=False)

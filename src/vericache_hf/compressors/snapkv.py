@@ -12,23 +12,20 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import rotate_half
 
 from ..checks import check_int
 from .base import CompressionContext, ScorerCompressor
 
 
 def window_queries(context: CompressionContext, window: int) -> torch.Tensor:
-    """Post-RoPE queries (B, H_q, window, D) of the last `window` prompt tokens, recomputed from the layer input."""
-    module, hidden = context.module, context.hidden_states[:, -window:]
-    head_dim = module.head_dim
-    queries = module.q_proj(hidden).view(*hidden.shape[:-1], -1, head_dim)
-    if hasattr(module, "q_norm"):  # Qwen3 normalises queries per head before RoPE
-        queries = module.q_norm(queries)
-    queries = queries.transpose(1, 2)
-    cos, sin = context.attention_kwargs["position_embeddings"]
-    cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
-    return queries * cos + rotate_half(queries) * sin
+    """The (B, H_q, window, D) queries of the prompt's last `window` positions, as the layer's attention received
+    them (see `cache/capture.py`)."""
+    if context.queries is None:
+        raise ValueError(
+            f"layer {context.layer_idx}'s queries were not captured; a query-scoring compressor runs inside "
+            "generate(generation_mode='vericache'), whose prefill hands them over."
+        )
+    return context.queries[:, :, -window:]
 
 
 @dataclass
@@ -41,7 +38,7 @@ class SnapKVCompressor(ScorerCompressor):
         kernel_size: width of the average pooling that smooths the scores.
     """
 
-    needs_hidden_states: ClassVar[bool] = True
+    scores_with_queries: ClassVar[bool] = True
     compression_ratio: float = 0.5
     window_size: int = 32
     kernel_size: int = 5
@@ -61,7 +58,7 @@ class SnapKVCompressor(ScorerCompressor):
         window = min(self.window_size, keys.shape[-2])
         queries = window_queries(context, window).to(torch.float32)
         valid = context.valid.to(keys.device)
-        scores = window_attention(queries, keys.to(torch.float32), valid, context.module.scaling)
+        scores = window_attention(queries, keys.to(torch.float32), valid, context.scaling)
         scores = F.avg_pool1d(scores, self.kernel_size, stride=1, padding=self.kernel_size // 2)
         scores[..., -window:] = scores.max() + 1  # the observation window is always kept
         return scores

@@ -1,9 +1,8 @@
 """`vericache-hf bench`: full cache, compressed-only, VeriCache and HF's lossless peers, side by side.
 
-CPU settings that do not change any output are applied first: sdpa's grouped-query path
-(`TRANSFORMERS_SDPA_FORCE_GQA=1`, read at call time) and glibc malloc settings that keep the verify pass's large
-buffers mapped. The malloc settings only act from process start, so the command re-executes itself once with
-them (`--no-reexec` skips that).
+CPU settings that do not change any output are applied first: glibc malloc settings that keep the verify pass's
+large buffers mapped. They only act from process start, so the command re-executes itself once with them
+(`--no-reexec` skips that).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from .workloads import KINDS
 
 #: Settings that change speed, never results (see the project's field notes on where the time goes on CPU).
 CPU_ENV = {
-    "TRANSFORMERS_SDPA_FORCE_GQA": "1",
     "MALLOC_MMAP_THRESHOLD_": "33554432",
     "MALLOC_TRIM_THRESHOLD_": "17179869184",
     "MALLOC_TOP_PAD_": "1073741824",
@@ -256,7 +254,6 @@ def code_version() -> str:
 def _reexec_with_cpu_env(args: argparse.Namespace) -> None:
     missing = {k: v for k, v in CPU_ENV.items() if os.environ.get(k) is None}
     if args.no_reexec or not missing or os.environ.get("VERICACHE_BENCH_REEXEC"):
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
         return
     env = {**os.environ, **missing, "VERICACHE_BENCH_REEXEC": "1"}
     sys.stdout.flush()
@@ -279,7 +276,6 @@ def _load(name: str | None):
 def run_bench_command(args: argparse.Namespace) -> int:
     if sys.argv[1:2] == ["bench"]:  # this process is the bench command itself, not a test or a notebook
         _reexec_with_cpu_env(args)
-    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     args = apply_quick(args)
     if args.paired and not args.no_lossy:
         raise SystemExit(

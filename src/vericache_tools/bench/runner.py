@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vericache_hf import VeriCacheStats
+from vericache_hf.pass_model import pass_model
 
 from .methods import Method
 from .quality import trim
@@ -93,22 +94,24 @@ class Sample:
 
 
 class FirstForwardTimer:
-    """Wall time from entering the block to the end of the model's first forward pass (the prefill)."""
+    """Wall time from entering the block to the end of the model's first forward pass (the prefill), whether the
+    call runs the model itself or VeriCache's pass model of it."""
 
     def __init__(self, model) -> None:
-        self.model, self.seconds, self.handle, self.started = model, None, None, 0.0
+        self.model, self.seconds, self.handles, self.started = model, None, [], 0.0
 
     def _hook(self, module, args, output) -> None:
         if self.seconds is None:
             self.seconds = time.perf_counter() - self.started
 
     def __enter__(self) -> FirstForwardTimer:
-        self.handle = self.model.register_forward_hook(self._hook)
+        self.handles = [m.register_forward_hook(self._hook) for m in (self.model, pass_model(self.model))]
         self.started = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 class PeakMemory:

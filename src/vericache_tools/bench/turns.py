@@ -40,7 +40,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from vericache_hf.background import release_workers
-from vericache_hf.cache.capture import attention_modules
+from vericache_hf.pass_model import attention_layers, pass_model
 
 from .methods import Generation, Method
 from .workloads import PromptBatch
@@ -191,7 +191,8 @@ def run_side_by_side(
             turns.timed_ended(party)
             turns.end(party)
 
-    handles = [module.register_forward_hook(between_layers) for module in attention_modules(model)]
+    layers = attention_layers(model) + attention_layers(pass_model(model))  # stock calls', VeriCache's passes
+    handles = [module.register_forward_hook(between_layers) for module in layers]
     release_workers()  # the main thread's team, idle while the calls run
     try:
         threads = [
