@@ -207,7 +207,9 @@ def test_a_model_split_between_an_accelerator_and_the_cpu_builds_every_layers_dr
     place and defer their draft tier to the first draft. Every layer's draft tier is built, and stays exact."""
     monkeypatch.setattr(VeriCacheLayer, "reads_in_place", property(lambda layer: layer.layer_idx >= 3))
     ids = random_prompt(120, batch=2, seed=13)
-    config = VeriCacheConfig(compressor=compressor, compression_ratio=0.75, chunk_tokens=32, draft_length=4)
+    config = VeriCacheConfig(
+        compressor=compressor, compression_ratio=0.75, chunk_tokens=32, draft_length=4, draft_schedule="fixed"
+    )
     out = vericache_dict(deep_llama, ids, config=config, max_new_tokens=16)
     assert torch.equal(out.sequences, stock(deep_llama, ids, max_new_tokens=16))
     cache, stats = out.past_key_values, out.vericache_stats

@@ -1,4 +1,4 @@
-"""Prefix caching through `generate` (issue 22): the output equals stock `generate` on the full cache whether the
+"""Prefix caching through `generate`: the output equals stock `generate` on the full cache whether the
 prefix was saved, reused, corrupted, missing or unreachable, on both backends (a real Redis server and a directory).
 """
 
@@ -388,9 +388,10 @@ def test_staged_full_tier_waits_for_the_whole_prefix(llama, tmp_path, compressor
 def test_reuse_composes_with_a_proposer(llama, tmp_path):
     """Prompt lookup after a restored prefix: the first round drafts from the suffix, later rounds check proposals."""
     store = DiskStore(tmp_path)
-    vericache(llama, request(0), store, proposer="prompt_lookup")
+    fixed = dict(proposer="prompt_lookup", draft_schedule="fixed", draft_length=6)  # proposals in every pass
+    vericache(llama, request(0), store, **fixed)
     ids = request(1)
-    out, stats = vericache(llama, ids, store, proposer="prompt_lookup")
+    out, stats = vericache(llama, ids, store, **fixed)
     assert torch.equal(out, stock(llama, ids))
     assert stats.prefix_tokens_reused == 3 * CHUNK
     assert stats.proposed_tokens > 0
