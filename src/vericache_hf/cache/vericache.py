@@ -347,7 +347,7 @@ class VeriCache(Cache):
         compression (H2O's scoring costs about two more attention passes of the prompt), and a call whose rounds
         are all plain never compresses. A query-aware compressor's layer inputs are held until then (the last
         `queries_read` of them), unless a stored prefix seeded the prompt: its queries are the suffix's alone. On
-        an accelerator the prompt's K/V are compressed while they are on the device, as before."""
+        an accelerator the prompt's K/V are compressed in the prefill, while they are on the device."""
         return layer.reads_in_place and (self.draft_tier_rebuildable or not self.seeded_tokens)
 
     def hold_layer_input(self, context: CompressionContext) -> None:
