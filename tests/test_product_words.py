@@ -25,8 +25,8 @@ PRODUCT = (
     "pyproject.toml",
     ".ci",
 )
-#: the story of the work instead of the product: session and issue numbers, session-tagged names (s31), dates, and
-#: phrases that tell how the code got here
+#: the story of the work instead of the product: session and issue numbers, names tagged with an s and two
+#: digits, dates, and phrases that tell how the code got here
 NARRATION = re.compile(
     r"""
       \bsessions?\s+\d+
