@@ -1,4 +1,4 @@
-"""What sharing one link buys, on a CPU (issue 21, part 4): the full tier is staged through the transfer queue
+"""What sharing one link buys, on a CPU: the full tier is staged through the transfer queue
 (`stage_on_cpu`) over an emulated link, and requests run in lockstep (one `generate` call, the batch drafts and then
 verifies together), through the engine in one cohort (shared passes; rows join after their own prefill), in two
 staggered cohorts (one's copies run while the other drafts or verifies), or alone (one call per request on worker
@@ -6,7 +6,7 @@ threads, one shared queue). Embedded model, fp32; prompts of code with different
 `Timeline`; `timeline.png` draws the prefill, draft, transfer and verify spans of every track (a request's prefill,
 a cohort's rounds; lockstep's batch is one track) at the `--plot-link` bandwidth.
 
-    python benchmarks/emulated_link.py --out docs/bench-link
+    python benchmarks/emulated_link.py --out bench-results/link
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--plot-link", type=float, default=4.0, help="GB/s of the timeline plot")
     parser.add_argument("--methods", default="lockstep,one-cohort,two-cohorts,alone")
-    parser.add_argument("--out", default="docs/bench-link")
+    parser.add_argument("--out", default="bench-results/link")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = load_embedded_model()

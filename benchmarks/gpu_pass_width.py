@@ -1,4 +1,4 @@
-"""What one pass costs on a GPU, by width and by weight type: the premises of composed drafting (issue 23) there.
+"""What one pass costs on a GPU, by width and by weight type: the premises of composed drafting there.
 
 - a full-KV step (one token over the whole context on the device) and a verify-width pass (k + 1 tokens);
 - draft-tier passes (over an eighth of the context, a draft tier at ratio 0.875) of 1 to 11 tokens a row: composed

@@ -1,4 +1,4 @@
-"""Many requests at equal device memory, on one CUDA GPU (issue 21, part 6): transformers' continuous batching
+"""Many requests at equal device memory, on one CUDA GPU: transformers' continuous batching
 (`generate_batch`) with the full KV on the device, its pages sized to the KV budget, against the VeriCache engine,
 which admits requests by the same budget counting only their draft tiers and staging buffers (full tiers in pinned
 host memory) and staggers them in cohorts.

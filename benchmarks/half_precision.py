@@ -5,10 +5,10 @@ In float32/float64 a verify pass over k+1 tokens and k+1 single-token steps agre
 greedy output is identical; in bfloat16/float16 the two shapes round differently, and a near-tie between the top two
 logits can flip. Stock decoding has the same sensitivity: the same prompt decoded alone or inside a left-padded
 batch of 4, or prefilled whole or in two pieces, is a different computation too. This script measures all three
-over the same prompts, so the README can state exactly what holds.
+over the same prompts, so the documentation can state exactly what holds.
 
-    python benchmarks/half_precision.py --json docs/half_precision.json            # tiny models and SmolLM2
-    python benchmarks/half_precision.py --models tiny --prompts 8 --new-tokens 8   # a quick look
+    python benchmarks/half_precision.py --json docs/benchmarks/half-precision/results.json   # tiny models, SmolLM2
+    python benchmarks/half_precision.py --models tiny --prompts 8 --new-tokens 8                # a quick look
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Remote prefix caching on the embedded model (issue 22): a shared prefix of 2k-8k tokens stored in a real store
+"""Remote prefix caching on the embedded model: a shared prefix of 2k-8k tokens stored in a real store
 (a directory, and a Redis server started here on 127.0.0.1) behind an emulated link, a short suffix, 128 new tokens.
 
 Three ways to answer, side by side in one run:
@@ -9,10 +9,10 @@ Three ways to answer, side by side in one run:
   once while the full KV streams in behind, and let the first verify pass prefill the suffix exactly.
 
 With `--draft-dtype bfloat16`, each compressed-first way also runs drafting on a bfloat16 copy of the weights.
-With `--stock-matmuls`, each also runs with `draft_matmul="stock"` (drafts through the model's own `linear`, as
-before session 38) beside the default measured layouts.
-With `--proposer prompt_lookup`, compressed-first also runs composed with prompt lookup proposing to the draft tier
-(issue 23), against the same full-first. Full-first does not run with transformers' own prompt lookup: in
+With `--stock-matmuls`, each also runs with `draft_matmul="stock"` (drafts through the model's own `linear`)
+beside the default measured layouts.
+With `--proposer prompt_lookup`, compressed-first also runs composed with prompt lookup proposing to the draft tier,
+against the same full-first. Full-first does not run with transformers' own prompt lookup: in
 transformers 5.24-5.25, assisted decoding's first pass feeds the whole prompt again on top of a cache passed in
 (its `prepare_inputs_for_generation` gets no `next_sequence_length` there, where `_prefill` slices off what is
 cached), so the output differs and the first token takes longer than recomputing the prompt.
@@ -20,7 +20,7 @@ cached), so the output differs and the first token takes longer than recomputing
 Reports time to first token, end-to-end latency, decode tokens/s and whether each output equals recompute's
 (identical share), per prefix, link and backend; writes results.json, table.md and plot.png.
 
-    python benchmarks/prefix_reuse.py --out docs/bench-prefix
+    python benchmarks/prefix_reuse.py --out bench-results/prefix
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> None:
         action="store_true",
         help="also run each compressed-first way with draft_matmul='stock' (the model's own linear in drafts)",
     )
-    parser.add_argument("--out", default="docs/bench-prefix")
+    parser.add_argument("--out", default="bench-results/prefix")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = load_embedded_model()

@@ -1,4 +1,4 @@
-"""Many requests on the embedded model (issue 21, part 6, CPU): code prompts of mixed length, arriving all at once or
+"""Many requests on the embedded model, on a CPU: code prompts of mixed length, arriving all at once or
 as a Poisson stream, answered by stock static batching, transformers' continuous batching, VeriCache in static
 batches (lockstep), the VeriCache engine with every request alone (`cohort_size=1`: one call per request on
 `--batch` worker threads, one transfer queue) and the VeriCache engine with cohorts (requests share forward passes,
@@ -12,7 +12,7 @@ split by whether another request was prefilling meanwhile (from when it left the
 new request's prefill costs the running ones. A static batch waits for its last request to arrive, and runs after
 the batch before it.
 
-    python benchmarks/serving.py --out docs/bench-serving
+    python benchmarks/serving.py --out bench-results/serving
     python benchmarks/serving.py --requests 16 --contexts 2048,4096,6144,8192 --arrivals poisson --rate 0.05
 """
 
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.05, help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0, help="the Poisson stream's seed")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--out", default="docs/bench-serving")
+    parser.add_argument("--out", default="bench-results/serving")
     parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
     args = parser.parse_args()
     from vericache_tools.report import save_results

@@ -40,6 +40,42 @@ def fresh_schedule_priors():
     yield
 
 
+@pytest.fixture
+def copies_begin_before_drafts_end(monkeypatch):
+    """Each draft first waits (10 s at most) until a full-tier copy queued before it has begun. A round queues its
+    copies as drafting starts, to run behind the draft, but on a loaded machine the copy thread may get no core until
+    the verify pass waits for it, so a test that checks copies overlap drafts would read the OS's scheduling. In this
+    order the overlap is the library's doing alone."""
+    from vericache_hf import loop
+    from vericache_hf.cache.transfer import TransferEngine
+
+    counts, changed = {"queued": 0, "begun": 0}, threading.Condition()
+    submit, copy, draft = TransferEngine.submit, TransferEngine._copy, loop.draft
+
+    def submitting(self, *args, **kwargs):
+        with changed:
+            counts["queued"] += 1
+        return submit(self, *args, **kwargs)
+
+    def copying(self, *args, **kwargs):
+        with changed:
+            counts["begun"] += 1
+            changed.notify_all()
+        return copy(self, *args, **kwargs)
+
+    def drafting(*args, **kwargs):
+        with changed:
+            begun = counts["begun"]
+            # every earlier round's copies have begun, so one queued and not begun is this round's
+            if counts["queued"] > begun:
+                changed.wait_for(lambda: counts["begun"] > begun, timeout=10)
+        return draft(*args, **kwargs)
+
+    monkeypatch.setattr(TransferEngine, "submit", submitting)
+    monkeypatch.setattr(TransferEngine, "_copy", copying)
+    monkeypatch.setattr(loop, "draft", drafting)
+
+
 def tiny_config(family: str, **overrides):
     common = dict(
         vocab_size=VOCAB,

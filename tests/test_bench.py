@@ -177,11 +177,13 @@ def test_build_methods_refuses_a_ratio_a_compressor_cannot_meet_before_any_run()
 
 
 def test_composed_method_runs_beside_vericache_alone_and_stays_lossless(llama):
-    methods = build_methods(["streaming_llm"], [0.5], peers=False, proposers=["none", "prompt_lookup"])
-    composed = [m for m in methods if m.proposer]
+    methods = build_methods(
+        ["streaming_llm"], [0.5], peers=False, draft_schedules=["fixed"], proposers=["none", "prompt_lookup"]
+    )
+    composed = [m for m in methods if m.proposer]  # a fixed schedule: proposals are checked in every round
     assert [m.name for m in methods if m.family == "vericache"] == [
-        "VeriCache streaming_llm@0.5",
-        "VeriCache streaming_llm@0.5 + prompt lookup",
+        "VeriCache streaming_llm@0.5 [fixed]",
+        "VeriCache streaming_llm@0.5 + prompt lookup [fixed]",
     ]
     with pytest.raises(ValueError, match="Unknown proposer"):
         build_methods(["snapkv"], [0.75], proposers=["eagle"])

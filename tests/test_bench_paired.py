@@ -14,6 +14,7 @@ import torch
 
 from vericache_hf.pass_model import attention_layers, pass_model
 from vericache_tools.bench import Method, run_bench
+from vericache_tools.bench import turns as turns_module
 from vericache_tools.bench.methods import Generation
 from vericache_tools.bench.report import summarize, time_table
 from vericache_tools.bench.turns import TakeTurns, run_side_by_side
@@ -88,27 +89,40 @@ class _Counted(Method):
         return super().generate(*args, **kwargs)
 
 
-class _Steps:
-    """A method that emits `steps` tokens, `nap` seconds apart, logging its name at each."""
+class _Clock:
+    """A stand-in for the turns' clock that moves only when a step says so, so that how long a turn is held does not
+    depend on how fast this machine sleeps or schedules threads."""
 
-    def __init__(self, name: str, steps: int, nap: float, log: list[str]) -> None:
-        self.name, self.steps, self.nap, self.log = name, steps, nap, log
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Steps:
+    """A method that emits `steps` tokens, each `nap` seconds of `clock` after the last, logging its name at each."""
+
+    def __init__(self, name: str, steps: int, nap: float, log: list[str], clock: _Clock) -> None:
+        self.name, self.steps, self.nap, self.log, self.clock = name, steps, nap, log, clock
 
     def generate(self, model, batch, max_new_tokens, streamer=None):
         streamer.put(batch.input_ids)
         for _ in range(self.steps):
-            time.sleep(self.nap)
+            self.clock.now += self.nap  # only the party holding the turn runs, so one writer at a time
             self.log.append(self.name)
             streamer.put(batch.input_ids[:, -1])
         return Generation(torch.zeros(1, self.steps, dtype=torch.long))
 
 
-@pytest.mark.parametrize("quantum,least", [(0.0, 1), (0.02, 4)])
-def test_turns_are_slices_of_time_not_single_tokens(llama, quantum, least):
+@pytest.mark.parametrize("quantum,least", [(0.0, 1), (4 / 256, 4)])
+def test_turns_are_slices_of_time_not_single_tokens(llama, monkeypatch, quantum, least):
     # a call emitting many tokens a round must not give its partner runs of warm steps: each holds the turn for
-    # `quantum` seconds (steps of 5 ms: 4 steps) before passing it at its next token
+    # `quantum` seconds (steps of 1/256 s, exact in binary: 4 steps) before passing it at its next token
     log: list[str] = []
-    methods = [_Steps("a", 40, 0.005, log), _Steps("b", 40, 0.005, log)]
+    clock = _Clock()
+    monkeypatch.setattr(turns_module, "time", clock)
+    methods = [_Steps("a", 40, 1 / 256, log, clock), _Steps("b", 40, 1 / 256, log, clock)]
     run_side_by_side(llama, methods, synthetic_workload(1).batches[0], max_new_tokens=40, quantum=quantum)
     runs = [len(list(group)) for _, group in itertools.groupby(log)]
     assert len(runs) > 4

@@ -132,7 +132,7 @@ def test_a_fault_in_a_shared_pass_sends_the_rows_to_decode_alone(served, monkeyp
         assert out.generated_tokens == stock(served, prompt, 16)
 
 
-def test_a_timeline_records_each_cohorts_spans_on_its_own_track(served):
+def test_a_timeline_records_each_cohorts_spans_on_its_own_track(served, copies_begin_before_drafts_end):
     """Prefills on the requests' tracks; drafts, copies and verify passes on the cohorts' tracks. Staged full
     tiers are planned into two cohorts (nothing measured yet), so one's copies run beside the other's drafting."""
     timeline = Timeline()

@@ -70,7 +70,9 @@ def test_greedy_on_cuda_matches_stock_with_a_pinned_full_tier_staged_over_the_tr
     cuda_llama, compressor
 ):
     ids, mask = padded_batch("cuda")
-    config = VeriCacheConfig(compressor=compressor, compression_ratio=0.75, chunk_tokens=32, draft_length=6)
+    config = VeriCacheConfig(
+        compressor=compressor, compression_ratio=0.75, chunk_tokens=32, draft_length=6, draft_schedule="fixed"
+    )
     expected, out = generate_both(cuda_llama, ids, mask, config)
     assert torch.equal(out.sequences, expected)
 
@@ -129,7 +131,9 @@ def test_a_model_split_between_the_gpu_and_the_cpu_keeps_each_layers_tiers_on_it
     }
     model = dispatch_model(model, device_map=device_map, main_device="cpu")
     ids, mask = padded_batch("cuda")
-    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6)
+    config = VeriCacheConfig(
+        compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6, draft_schedule="fixed"
+    )
     expected, out = generate_both(model, ids, mask, config)
     assert torch.equal(out.sequences.cpu(), expected.cpu())
 
@@ -178,7 +182,9 @@ def test_composed_drafting_on_cuda_matches_stock(cuda_llama, proposer):
         if proposer == "prompt_lookup"
         else {"assistant_model": assistant_model().to("cuda")}
     )
-    config = VeriCacheConfig(compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6)
+    config = VeriCacheConfig(
+        compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6, draft_schedule="fixed"
+    )
     expected = cuda_llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
     out = vericache_generate(cuda_llama, ids, mask, config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected)

@@ -84,7 +84,9 @@ def test_sampled_tokens_with_narrow_drafts_are_distributed_as_stock(small):
 
 def test_the_engine_drafts_with_the_narrow_copy_and_stays_exact(llama):
     prompts = [random_prompt(30 + 7 * i, seed=40 + i)[0].tolist() for i in range(4)]
-    config = VeriCacheConfig(compressor="streaming_llm", draft_dtype="bfloat16", draft_length=4)
+    config = VeriCacheConfig(
+        compressor="streaming_llm", draft_dtype="bfloat16", draft_length=4, draft_schedule="fixed"
+    )
     with counted(draft_model(llama, torch.bfloat16)) as calls:
         results = generate_batch(llama, prompts, max_new_tokens=16, vericache_config=config, do_sample=False)
     assert calls

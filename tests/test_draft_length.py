@@ -152,7 +152,7 @@ def test_a_probe_comes_only_where_it_can_pay():
     where rebuilding a freed draft tier costs more than drafting could ever save."""
     # a draft step at a quarter, two thirds, or all of a plain round's 0.012 s
     cheap, middling, dear = 0.003, 0.008, 0.012
-    # perfect drafts would pay: probes come through a long answer, as before
+    # perfect drafts would pay: probes come through a long answer
     for step in (cheap, middling):
         assert len(probes(CostAwareDraftLength(VeriCacheConfig()), 300, step, 0.012, tokens=10_000)) > 3
     # a draft step that costs a plain round: after the first drafted round, no probe at all
@@ -200,7 +200,7 @@ def test_a_plain_round_is_priced_by_plain_rounds_not_by_wider_passes():
 
 
 def test_a_plain_round_with_a_proposer_is_priced_as_the_plain_gate_will_run_it():
-    # Batch 1 on a 2-core CPU at 2k tokens with prompt lookup (the composed trace of session 23): a one-token pass
+    # Batch 1 on a 2-core CPU at 2k tokens with prompt lookup (a traced composed call): a one-token pass
     # takes 75 ms, a pass verifying 10 proposals 140 ms; a draft step costs as much as a one-token pass, and a
     # drafted round's verify pass, committing into both tiers, 180 ms and more. One plain round in 3 finds 10
     # proposals and keeps 1. Drafts are always accepted, yet a plain round that asks for proposals yields 1.33
@@ -353,7 +353,7 @@ def test_a_batch_pass_counts_as_far_as_it_moves_the_call():
 
 
 def test_a_probe_offers_a_few_proposals_in_a_pass_that_costs_little_more_than_one_token():
-    # Batch 4, QA at 2k tokens on a 2-core CPU (session 34's trace): a one-token pass takes 115 ms, a pass of 4
+    # Batch 4, QA at 2k tokens on a 2-core CPU (a traced call): a one-token pass takes 115 ms, a pass of 4
     # tokens 160 ms, of 11 tokens 255 ms. Proposals are found in every pass and never kept. Probing with all 10
     # (an 11-token pass each time) cost 2.6% over one-token passes in 300 passes.
     def seconds(m: int, _: int) -> float:
@@ -508,11 +508,12 @@ def test_once_drafting_was_measured_a_build_is_weighed_as_a_probe_is():
 
 
 def test_a_plain_gate_s_probe_does_not_make_drafting_look_cheaper_than_a_plain_round():
-    # QA at 2k tokens, batch 1, with prompt lookup, on a 2-core CPU (session 28's trace): a one-token plain round
+    # QA at 2k tokens, batch 1, with prompt lookup, on a 2-core CPU (a traced call): a one-token plain round
     # takes 178 ms, a plain round verifying 10 proposals 470 ms and keeps about one in three; a draft step costs
     # 200 ms, a drafted round's verify pass 450 ms. Even drafts that are always accepted (65 tokens in 13.25 s) lose
     # to one-token plain rounds. The plain gate asks for proposals now and then to re-measure them; priced at such
-    # a probe's yield, plain rounds looked worse than drafting, and the schedule drafted a round at a loss each time.
+    # a probe's yield, plain rounds would look worse than drafting, and the schedule would draft a round at a loss
+    # each time.
     gate = ProposalLength(limit=10)
     schedule = CostAwareDraftLength(VeriCacheConfig(), plain_gate=gate)
     lengths = []
@@ -528,5 +529,5 @@ def test_a_plain_gate_s_probe_does_not_make_drafting_look_cheaper_than_a_plain_r
         gate.observe(1 + m, took, [m], [kept])
         schedule.observe(0, [kept], 0.0, took, verified=1 + m, asked=asked)
     # the round that prices drafting and the schedule's own probes (after 16, 32, 64 and 128 plain rounds), but none
-    # in a gate's probe's place (39 drafted rounds before the fix)
+    # in a gate's probe's place (plain rounds priced at the gate's probes draft 39 rounds here)
     assert sum(k > 0 for k in lengths) <= 5

@@ -6,7 +6,7 @@ measurement keeps the fastest; the copy is made once, shared by threads, and the
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,7 +78,7 @@ def test_measured_drafts_composed_with_a_proposer_match_stock(monkeypatch, propo
 def test_the_engine_drafts_with_measured_layouts_and_stays_exact():
     model = tiny_model("llama", seed=6, num_hidden_layers=2)
     prompts = [random_prompt(30 + 7 * i, seed=40 + i)[0].tolist() for i in range(4)]
-    config = VeriCacheConfig(compressor="streaming_llm", draft_length=4)
+    config = VeriCacheConfig(compressor="streaming_llm", draft_length=4, draft_schedule="fixed")
     results = generate_batch(model, prompts, max_new_tokens=16, vericache_config=config, do_sample=False)
     for out, prompt in zip(results.values(), prompts, strict=True):
         stock = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)
@@ -102,22 +102,25 @@ def test_each_weight_times_both_layouts_in_turn_and_the_order_flips():
 
 
 def test_draft_passes_pair_the_layouts_on_each_weight_then_keep_the_fastest(monkeypatch):
-    """Real timings of the layers' own products, with one layout made slower by a sleep: the table must see it,
-    decide after `PAIRS` pairs (each on one weight), and from then on run only the chosen one."""
+    """The layers' own products timed on a clock that moves only with them, one layout's eight times as far as
+    the other's (so this machine's noise decides nothing): the table must see it, decide after `PAIRS` pairs
+    (each on one weight), and from then on run only the chosen one."""
     model = tiny_model("llama", seed=7, num_hidden_layers=2)
     drafter = draft_model(model, None)
     layers = [block.mlp.down_proj for block in drafter.model.layers]
     assert [layer.member for layer in layers] == [0, 1]
     table, group = layers[0].layouts, layers[0].group
     original, ran, slow = dm.product, [], "linear"
+    clock = SimpleNamespace(now=0.0)
+    clock.perf_counter = lambda: clock.now
 
     def slowed(layout, *args):
         ran.append(layout)
-        if layout == slow:
-            time.sleep(0.002)
+        clock.now += (8 if layout == slow else 1) / 1024
         return original(layout, *args)
 
     monkeypatch.setattr(dm, "product", slowed)
+    monkeypatch.setattr(dm, "time", clock)
     x = torch.randn(3, 1, layers[0].in_features, dtype=layers[0].weight.dtype)
     for call in range(2 * dm.PAIRS):  # passes of the two layers: each layer finishes a pair every second pass
         layer = layers[call % 2]

@@ -319,7 +319,7 @@ def test_requests_share_one_transfer_queue_over_an_emulated_link(served):
         VeriCacheConfig(emulated_link_bytes_per_s=-1)
 
 
-def test_a_timeline_records_each_requests_spans_on_its_own_track(served):
+def test_a_timeline_records_each_requests_spans_on_its_own_track(served, copies_begin_before_drafts_end):
     """Requests served alone (`cohort_size=1`): prefill, draft, transfer and verify spans, each on the track of the
     request it served (a copy too, though the transfer worker made it); outputs stay exact."""
     timeline = vericache_hf.Timeline()

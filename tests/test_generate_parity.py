@@ -215,7 +215,7 @@ ids = torch.randint(3, 96, (1, 30))
 stock = model.generate(ids, max_new_tokens=20, do_sample=False)
 assert "vericache_hf" not in sys.modules
 out = model.generate(ids, max_new_tokens=20, do_sample=False, custom_generate={str(REPO)!r},
-                     trust_remote_code=True, vericache_config={{"compressor": "streaming_llm"}},
+                     trust_remote_code=True, vericache_config={{"compressor": "streaming_llm", "draft_schedule": "fixed"}},
                      return_dict_in_generate=True)
 assert out.vericache_stats.rounds > 0
 assert torch.equal(out.sequences, stock)

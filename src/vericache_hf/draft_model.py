@@ -3,7 +3,7 @@ and on the CPU, linear layers in the layout measured fastest for a draft's few r
 `draft_matmul.py`).
 
 A draft step on a compressed KV cache still reads every weight, so on a machine where decoding is bound by
-memory bandwidth, weights are most of its cost (on the 2-core CPU here a batch-4 SmolLM2 step without context takes
+memory bandwidth, weights are most of its cost (on a 2-core CPU a batch-4 SmolLM2 step without context takes
 80 ms in float32 and 39 ms in bfloat16). Drafting with a bfloat16 copy of the same weights halves that read; the
 full tier's verify pass keeps the model's own weights and precision, so what is emitted does not change.
 

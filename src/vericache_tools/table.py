@@ -1,4 +1,4 @@
-"""The README's compressor table, produced by one command: `vericache-hf table`.
+"""The compressor table (docs/compressor_table.md), produced by one command: `vericache-hf table`.
 
 For each compressor and ratio, on SmolLM2-135M (fp32) with HumanEval problems behind standard-library source
 (`prompts.long_code_prompt`), greedy:
@@ -160,8 +160,8 @@ def add_table_command(subparsers) -> argparse.ArgumentParser:
     """Add `table` to a CLI's subparsers; the handler is `args.run`."""
     parser = subparsers.add_parser(
         "table",
-        help="measure the README's compressor table on SmolLM2",
-        description="Measure the README's compressor table on the embedded SmolLM2. Lists are comma-separated.",
+        help="measure the compressor table on SmolLM2",
+        description="Measure the compressor table on the embedded SmolLM2. Lists are comma-separated.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--context-tokens", type=int, default=2048, help="prompt length in tokens")

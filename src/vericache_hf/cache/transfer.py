@@ -178,7 +178,7 @@ class TransferEngine:
         return transfer.keys, transfer.values
 
     def release(self, transfer: LayerTransfer) -> None:
-        """The consumer is done reading the transfer's buffers (or no longer wants them): free its slot."""
+        """The consumer is done reading the transfer's buffers (or will not read them): free its slot."""
         with self._lock:
             if transfer.state in ("backlog", "queued"):
                 self._cancel_one(transfer, TransferError(f"the transfer of {transfer.name} was cancelled."))

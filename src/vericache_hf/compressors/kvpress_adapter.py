@@ -1,6 +1,6 @@
 """kvpress adapter: any kvpress press that drops tokens builds the draft tier, called directly (no forward hooks).
 
-On transformers 5.x kvpress's hooks fail (attention layers no longer receive `cache_position`), so the adapter calls
+On transformers 5.x kvpress's hooks fail (attention layers do not receive `cache_position`), so the adapter calls
 the press itself at prefill: `press.score` for plain scorer presses (then a padding-aware top-k), else
 `press.compress`, with the attention layer's own kwargs plus a `cache_position` made from `position_ids[0]`.
 Presses that only mask keys (AdaKV, CriticalAdaKV, DMS, KVzip) save no memory and are rejected.

@@ -157,8 +157,8 @@ def release_free_memory() -> None:
     """Return the heap's free memory to the OS between runs (glibc's `malloc_trim`; nothing elsewhere).
 
     The bench's malloc settings keep freed memory mapped within a run, which saves the verify pass page faults.
-    Across the many runs of a long-context, batch-4 workload, that kept memory piled up: the first 8k batch-4 grid
-    run was killed at 24 GB. Trimming between runs bounds it without touching what is timed."""
+    Across the many runs of a long-context, batch-4 workload, that kept memory piles up (past 24 GB over an 8k
+    batch-4 grid). Trimming between runs bounds it without touching what is timed."""
     gc.collect()
     libc = _libc()
     if libc is not None:

@@ -25,7 +25,7 @@ call on the main thread alone does.
 Turns are slices of time, not single tokens, so that every call pays for refilled caches at the same rate. Passed
 at every token, the full-cache partner of a call emitting n tokens a round ran n - 1 steps warm for each cold one
 while its partner ran every round cold: at batch 4 and 2k tokens the partners of VeriCache composed with prompt
-lookup (more tokens a round) ran 3-15% faster than VeriCache alone's in the same runs (session 34), which lowered
+lookup (more tokens a round) ran 3-15% faster than VeriCache alone's in the same runs, which lowered
 the composed method's ratio by as much.
 """
 
