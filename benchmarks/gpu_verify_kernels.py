@@ -209,7 +209,7 @@ def parse(argv=None):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--contexts", help="cached tokens (cuda: 32768,65536,131072; cpu: 2048,8192)")
     parser.add_argument("--batches", help="batch sizes (cuda: 1,8; cpu: 1,4)")
-    parser.add_argument("--queries", help="queries a row (cuda: 8,16,32; cpu: 9,17,33)")
+    parser.add_argument("--queries", help="queries a row (9,17,33: k + 1 for k = 8, 16, 32)")
     parser.add_argument("--kernels", default=",".join(k for k in KERNELS if k != "auto"))
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="staging chunk of the streamed row")
     parser.add_argument("--pass-sizes", help="model shapes for whole passes (cuda: 1b,8b; cpu: none)")
@@ -225,7 +225,7 @@ def parse(argv=None):
     defaults = dict(
         contexts="32768,65536,131072" if gpu else "2048,8192",
         batches="1,8" if gpu else "1,4",
-        queries="8,16,32" if gpu else "9,17,33",
+        queries="9,17,33",
         pass_sizes="1b,8b" if gpu else "",
     )
     if args.dry_run:
