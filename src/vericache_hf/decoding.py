@@ -118,7 +118,7 @@ def generate(
     )
     settings = _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(
-        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length
+        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length, io.proposal_length
     )
     cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
