@@ -81,7 +81,7 @@ class VerifyPass:
             return stock(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
         if kernel == "lower_right" and self.dense:
             return _lower_right(module, query, key, value, kwargs.get("scaling"))
-        if kernel == "flex" and (attention_mask is None or attention_mask.dtype == torch.bool):
+        if kernel == "flex" and _flex_serves(query, attention_mask):
             return _flex(self, module, query, key, value, attention_mask, kwargs.get("scaling"))
         if kernel == "flash" and self.dense and _flash_serves(query):
             return _flash(query, key, value, kwargs.get("scaling"))
@@ -103,6 +103,13 @@ def _lower_right(module, query, key, value, scaling):
     return output.transpose(1, 2).contiguous(), None
 
 
+def _flex_serves(query: torch.Tensor, attention_mask) -> bool:
+    """FlexAttention takes a boolean mask (or none); its compiled kernels, half and single precision."""
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return False
+    return query.device.type == "cpu" or query.dtype != torch.float64
+
+
 def _flex_function() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -118,7 +125,7 @@ def _flex_kernel(device: torch.device) -> Callable:
     if device.type == "cpu":
         return _flex_function()
     if device.type not in _COMPILED_FLEX:
-        _COMPILED_FLEX[device.type] = torch.compile(_flex_function(), dynamic=False)
+        _COMPILED_FLEX[device.type] = torch.compile(_flex_function())  # dynamic in the growing key length
     return _COMPILED_FLEX[device.type]
 
 
