@@ -75,16 +75,18 @@ if [[ $steps == *" tests "* ]]; then
   if [[ -n $dry ]]; then  # no CUDA here: the tests skip; collecting them checks they import
     step tests 120 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider
   else
-    step tests "${TEST_TIMEOUT:-150}" $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA
+    step tests "${TEST_TIMEOUT:-90}" $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA
   fi
 fi
 if [[ $steps == *" kernels "* ]]; then
-  step kernels "${KERNELS_TIMEOUT:-200}" $py benchmarks/gpu_verify_kernels.py $dry --budget-s 120 \
+  step kernels "${KERNELS_TIMEOUT:-120}" $py benchmarks/gpu_verify_kernels.py $dry --budget-s 70 \
     --out "$out/verify_kernels.json"
 fi
 if [[ $steps == *" offload "* ]]; then
-  step offload "${OFFLOAD_TIMEOUT:-330}" $py benchmarks/gpu_offload.py $dry --replay "$TRACE" --no-offloaded \
-    --budget-s 270 ${OFFLOAD_ARGS:-} --json "$out/offload.json"
+  # 8B at 32k and batch 8 first: the cell the targets name, before the time budget runs out
+  grid=$([[ -z $dry ]] && echo "--sizes 8b,1b --contexts 32768,131072 --batches 8,1")
+  step offload "${OFFLOAD_TIMEOUT:-210}" $py benchmarks/gpu_offload.py $dry --replay "$TRACE" --no-offloaded \
+    --budget-s 170 ${OFFLOAD_ARGS:-$grid} --json "$out/offload.json"
 fi
 if [[ $steps == *" real "* ]]; then
   if [[ -n $dry ]]; then
@@ -92,12 +94,12 @@ if [[ $steps == *" real "* ]]; then
   else
     mkdir -p /tmp/model
     cat .gpu/model-a/part-0 .gpu/model-b/part-1 >"/tmp/model/$(cat .gpu/model-b/name)"
-    step real "${REAL_TIMEOUT:-200}" $py benchmarks/gpu_real_acceptance.py \
+    step real "${REAL_TIMEOUT:-120}" $py benchmarks/gpu_real_acceptance.py \
       --gguf "/tmp/model/$(cat .gpu/model-b/name)" --prompts .gpu/model-b/prompts.pt --out "$out/real.json"
   fi
 fi
 if [[ $steps == *" serving "* ]]; then
-  step serving "${SERVING_TIMEOUT:-300}" $py benchmarks/gpu_serving.py $dry ${SERVING_ARGS:---size 8b --context 32768 \
+  step serving "${SERVING_TIMEOUT:-240}" $py benchmarks/gpu_serving.py $dry ${SERVING_ARGS:---size 8b --context 32768 \
     --new-tokens 128 --budget 16GiB} --out "$out/serving"
 fi
 exit $status
