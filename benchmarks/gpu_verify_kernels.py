@@ -211,7 +211,7 @@ def parse(argv=None):
     parser.add_argument("--batches", help="batch sizes (cuda: 1,8; cpu: 1,4)")
     parser.add_argument("--queries", help="queries a row (9,17,33: k + 1 for k = 8, 16, 32)")
     parser.add_argument("--kernels", default=",".join(k for k in KERNELS if k != "auto"))
-    parser.add_argument("--chunk-tokens", type=int, default=2048, help="staging chunk of the streamed row")
+    parser.add_argument("--chunk-tokens", type=int, default=3072, help="staging chunk of the streamed row")
     parser.add_argument("--pass-sizes", help="model shapes for whole passes (cuda: 1b,8b; cpu: none)")
     parser.add_argument("--pass-width", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=10)

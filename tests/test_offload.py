@@ -29,9 +29,10 @@ def prefilled(
     buffers: int = 2,
     batch: int = 1,
     seed: int = 0,
-    staging_chunk: int | None = 2048,
+    staging_chunk: int | None = None,
 ):
-    """A cache after prefill of random K/V (no model): returns it and each layer's prompt keys/values."""
+    """A cache after prefill of random K/V (no model): returns it and each layer's prompt keys/values. Its staging
+    buffers hold whole layers unless `staging_chunk` is given."""
     generator = torch.Generator().manual_seed(seed)
     cache = VeriCache(
         layers,

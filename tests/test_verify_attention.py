@@ -143,8 +143,9 @@ def test_staging_does_not_grow_with_context():
     """The full tier's staging peak at 8k tokens is at most 1.2x that at 2k (chunks of the default size), with
     every output identical; staging whole layers, it grows with the context (what the chunks save)."""
     model = tiny_model("llama", seed=2, max_position_embeddings=8300)
-    short, short_same = _staging_peak(model, 2048, 2048)
-    long, long_same = _staging_peak(model, 8192, 2048)
+    chunk = vericache_hf.VeriCacheConfig.staging_chunk_tokens
+    short, short_same = _staging_peak(model, 2048, chunk)
+    long, long_same = _staging_peak(model, 8192, chunk)
     assert short_same and long_same
     assert long <= 1.2 * short
     whole_short, _ = _staging_peak(model, 2048, None)

@@ -57,11 +57,10 @@ def _kept_tokens(compressor, tokens: int) -> int:
 
 def staging_tokens(config: VeriCacheConfig, tokens: int) -> int:
     """Tokens one staging buffer holds for a layer of `tokens` (its full tier and a verify pass's block): a
-    chunk's fixed size at most (`staging_chunk_tokens`), or, staging whole layers, a quarter more than the layer,
-    as the buffers grow (`cache/staging.py`)."""
-    whole = buffer_tokens(tokens)
+    quarter more than the layer, as the buffers grow (`cache/staging.py`), up to a chunk's fixed size
+    (`staging_chunk_tokens`; without one, whole layers however long)."""
     chunk = config.staging_chunk_tokens
-    return whole if chunk is None else min(chunk, whole)
+    return buffer_tokens(tokens) if chunk is None else min(chunk, buffer_tokens(tokens))
 
 
 def footprint(

@@ -40,13 +40,13 @@ class VeriCacheConfig:
             granules).
         staging_buffers: pieces of the full tier that may be on an accelerator at once (2: one copies while one is
             read), each a layer or a chunk of one (`staging_chunk_tokens`).
-        staging_chunk_tokens: the most tokens of one layer's full tier a staging buffer holds. A layer that fits is
-            staged whole and attended as one tensor; a longer one streams through buffers of this fixed size, and
-            the verify pass's attention merges the chunks by their log-sum-exp (flash attention's online softmax),
-            so device memory for the full tier is `staging_buffers` chunks whatever the context. None stages whole
-            layers: `staging_buffers` layers of a quarter more than the context, which grows with it (at 8B
-            Llama shapes, 128k tokens and batch 8, two such buffers hold about 10 GiB; two chunks of 2048 tokens,
-            128 MiB). Admission (`VeriCacheEngine`'s device_memory_budget) counts whichever is set.
+        staging_chunk_tokens: the most tokens a staging buffer holds. A layer whose full tier and verified block
+            fit is staged whole and attended as one tensor (its buffer a quarter longer, up to this size); a longer
+            one streams through buffers of this fixed size chunk by chunk, and the verify pass's attention merges the chunks by their log-sum-exp (flash attention's
+            online softmax), so device memory for the full tier is `staging_buffers` chunks whatever the context.
+            None stages whole layers: `staging_buffers` layers of a quarter more than the context, which grows with
+            it (at 8B Llama shapes, 128k tokens and batch 8, two such buffers hold about 10 GiB; two chunks of 3072
+            tokens, 192 MiB). Admission (`VeriCacheEngine`'s device_memory_budget) counts whichever is set.
         verify_attention: the verify pass's attention kernel (`vericache_hf.verify_attention`): `"auto"` (the
             fastest measured on the device: the model's own sdpa, grouped-query on a CPU), `"sdpa"`,
             `"lower_right"` (sdpa with a lower-right causal bias, no materialized mask), `"flex"` (FlexAttention
@@ -102,7 +102,7 @@ class VeriCacheConfig:
     max_draft_length: int = 64
     chunk_tokens: int = 2048
     staging_buffers: int = 2
-    staging_chunk_tokens: int | None = 2048
+    staging_chunk_tokens: int | None = 3072
     verify_attention: str = "auto"
     transfer_timeout: float = 60.0
     stage_on_cpu: bool = False

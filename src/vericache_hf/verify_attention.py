@@ -274,6 +274,8 @@ def streamed_attention(
     for keys, values in verify.chunks(layer):
         count = keys.shape[2]
         mask = None if attention_mask is None else attention_mask[..., start : start + count]
+        if mask is not None and (verify.dense or _allows_all(mask)):  # every query sees every stored token
+            mask = None
         state.add(*chunk_attention(grouped, keys.to(query.dtype), values.to(query.dtype),
                                    _grouped_allowed(mask, groups), scaling))  # fmt: skip
         start += count
@@ -284,6 +286,12 @@ def streamed_attention(
     state.add(*chunk_attention(grouped, key, value, _grouped_allowed(own, groups), scaling))
     output = state.output.to(query.dtype).reshape(batch, heads, length, -1)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _allows_all(mask: torch.Tensor) -> bool:
+    """A chunk of the mask that masks nothing (no padding, no rejected slot in it) needs no mask: the kernel runs
+    its unmasked path, and no bias is built."""
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
 
 
 def _additive_mask(mask: torch.Tensor) -> bool:

@@ -1,14 +1,15 @@
 """Device staging buffers for verification: the full tier visits the device a piece at a time.
 
 A fixed number of buffer slots (default 2) exists; a transfer must hold a slot, and gives it back once the verify
-pass has attended to what it holds. A piece is one of two things (`VeriCache.prefetch` chooses):
-- a whole layer that fits in a chunk of `staging_chunk_tokens`: its stored tokens plus room for the tokens the verify
-  pass checks, which attention reads as one (B, H, T, D) tensor, as stock attention expects;
+pass has attended to what it holds. A buffer holds at most `staging_chunk_tokens`, and one of two things
+(`VeriCache.prefetch` chooses):
+- a whole layer that fits: its stored tokens plus room for the tokens the verify pass checks, which attention reads
+  as one (B, H, T, D) tensor, as stock attention expects (the buffer a quarter longer, up to a chunk's size);
 - one chunk of a longer layer, which the verify pass's attention merges with the others as they arrive
   (`verify_attention.streamed_attention`).
-Every buffer then holds at most a chunk, so device memory for the full tier is `num_buffers` chunks, whatever the
-context and the number of layers. Without a chunk size (`staging_chunk_tokens=None`) a buffer holds a whole layer:
-`num_buffers` layers of a quarter more than the context (`buffer_tokens`), which grows with it.
+Device memory for the full tier is therefore `num_buffers` chunks, whatever the context and the number of layers.
+Without a chunk size (`staging_chunk_tokens=None`) a buffer holds a whole layer: `num_buffers` layers of a quarter
+more than the context (`buffer_tokens`), which grows with it.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class VeriCache(Cache):
         stage_on_cpu: bool = False,
         link_bytes_per_s: float | None = None,
         timeline: Timeline | None = None,
-        staging_chunk_tokens: int | None = 2048,
+        staging_chunk_tokens: int | None = 3072,
         verify_attention: str = "auto",
     ) -> None:
         if staging_chunk_tokens is not None:
@@ -622,6 +622,7 @@ class VeriCache(Cache):
         that fixed size, which attention merges as they arrive (`verify_attention.streamed_attention`)."""
         chunk, stored = self.staging_chunk_tokens, layer.full.length
         if chunk is None or stored + room <= chunk:
+            # a buffer grows with a short layer (a quarter ahead) up to a chunk's size, and stays there
             capacity = None if chunk is None else min(chunk, buffer_tokens(stored + room))
             return [
                 self.transfers.submit(
