@@ -11,9 +11,14 @@ combinations whose KV cache fits the GPU's, or the host's, memory). Run: `python
 
 How it stays short and fair: the prompt's KV cache is synthesized (random K/V written straight into each cache)
 instead of a prefill, which every method would pay alike; only decoding is timed. Acceptance on random weights is
-meaningless, so it is forced: each VeriCache round drafts `--accepted-per-round` tokens (k), feeding the draft the
-given continuation tokens (teacher forcing, so the draft "matches"), verifies [pending + k drafts] in one pass over
-the full tier, and commits all k plus the bonus token. Token values do not change the cost of any pass.
+meaningless, so it is given:
+- forced (default): each VeriCache round drafts `--accepted-per-round` tokens (k), feeding the draft the given
+  continuation tokens (teacher forcing, so the draft "matches"), verifies [pending + k drafts] in one pass over the
+  full tier, and commits all k plus the bonus token;
+- replayed (`--replay TRACE`): each round drafts and accepts, row by row, what a real model's round did
+  (`benchmarks/acceptance_trace.py` records them from the embedded model on a CPU); rows accept different counts,
+  so commits are ragged and the full tier holds masked slots, as in real decoding. Rows are labelled `replay`.
+Token values do not change the cost of any pass.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import argparse
 import gc
 import json
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from vericache_hf import VeriCache
+from vericache_hf import VeriCache, VeriCacheConfig
 from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import build_compressor
+from vericache_hf.pass_model import pass_model
 from vericache_hf.passes import forward
 
 SIZES = {  # Llama-3.2-1B- and Llama-3.1-8B-shaped; "small" and "tiny" are for CPU runs
@@ -127,9 +134,26 @@ def run_full_kv(model, args, batch, context, device, dtype, offloading: bool) ->
     return dict(tokens_per_s=batch * args.baseline_tokens / seconds, device_bytes=peak)
 
 
+def round_plan(args, batch: int) -> list[tuple[int, list[int]]]:
+    """(drafted, accepted per row) for every round, the warm-up first: forced (all k accepted), or the trace's
+    rounds in order (its rows repeated to fill the batch; a row the trace had stopped accepts nothing)."""
+    k = args.accepted_per_round
+    if not args.replay:
+        return [(k, [k] * batch)] * (args.rounds + 1)
+    trace = json.loads(Path(args.replay).read_text())
+    plan = []
+    for call in trace["calls"]:
+        for turn in call["rounds"]:
+            rows = [turn["accepted"][b % call["rows"]] if b % call["rows"] in turn["active"] else -1 for b in
+                    range(batch)]  # fmt: skip
+            plan.append((turn["drafted"], rows))
+    return plan[: args.rounds + 1] if args.rounds else plan
+
+
 @torch.inference_mode()
 def run_vericache(model, args, batch, context, device, dtype) -> dict:
-    """Forced-acceptance VeriCache rounds: draft k on the draft tier, verify k+1 on the staged full tier."""
+    """VeriCache rounds with given acceptance (`round_plan`): draft k on the draft tier, verify k+1 on the staged
+    full tier, commit what each row accepted plus its bonus token."""
     base = device_bytes_now(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -140,38 +164,41 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
         compressor,
         chunk_tokens=args.chunk_tokens,
         staging_buffers=args.staging_buffers,
+        staging_chunk_tokens=args.staging_chunk_tokens or None,
+        verify_attention=args.verify_attention,
         stage_on_cpu=True,  # a CPU dry run takes the accelerator's transfer path too
     )
+    runner = pass_model(model)  # VeriCache's passes run its attention (the verify kernel, streamed chunks)
     prompt_valid = torch.ones(batch, context, dtype=torch.long, device=device)
     with cache.prefilling(
         model, prompt_valid
     ):  # the synthesized prompt: full tier and draft tier, as a prefill
         for layer in range(layers):
             cache.update(*random_kv(model, batch, context, device, dtype, layer), layer)
-    k = args.accepted_per_round
-    continuation = torch.randint(
-        0, model.config.vocab_size, (batch, (args.rounds + 1) * (k + 1) + 1), device=device
-    )
+    plan = round_plan(args, batch)
     positions = torch.full((batch,), context, device=device)
-    valid = torch.ones(batch, k + 1, dtype=torch.bool)
 
-    def one_round(index: int) -> None:
-        start = index * (k + 1)
-        block = continuation[:, start : start + k + 1]  # pending token + k drafts the verifier accepts
-        with cache.drafting(k):  # queues the full tier's transfers, which run during the draft
-            for i in range(k):  # teacher-forced draft: the draft is fed the continuation
-                forward(model, cache, block[:, i : i + 1], positions + start + i)
+    def one_round(k: int, accepted: list[int]) -> int:
+        nonlocal positions
+        block = torch.randint(0, model.config.vocab_size, (batch, k + 1), device=device)  # pending + k drafts
+        if k:
+            with cache.drafting(k):  # queues the full tier's transfers, which run during the draft
+                for i in range(k):  # teacher-forced draft: the draft is fed the block
+                    forward(runner, cache, block[:, i : i + 1], positions + i)
         with cache.verifying():
-            forward(model, cache, block, positions + start)
-        cache.commit(k + 1, valid)
+            forward(runner, cache, block, positions)
+        counts = torch.tensor([a + 1 for a in accepted])  # a stopped row (-1) commits nothing
+        width = int(counts.max())
+        cache.commit(width, torch.arange(width)[None, :] < counts[:, None])
+        positions = positions + counts.to(device)
+        return int(counts.sum())
 
-    one_round(0)  # warm-up
+    one_round(*plan[0])  # warm-up
     sync(device)
     stats = cache.stats
     before = (stats.transfer_seconds, stats.transfer_wait_seconds, stats.bytes_to_device, stats.bytes_to_host)
     started = time.perf_counter()
-    for index in range(1, args.rounds + 1):
-        one_round(index)
+    emitted = sum(one_round(k, accepted) for k, accepted in plan[1:])
     sync(device)
     seconds = time.perf_counter() - started
     transfer = stats.transfer_seconds - before[0]
@@ -182,7 +209,10 @@ def run_vericache(model, args, batch, context, device, dtype) -> dict:
         peak = stats.peak_draft_tier_bytes + stats.peak_staging_bytes
     cache.close()
     return dict(
-        tokens_per_s=batch * args.rounds * (k + 1) / seconds,
+        acceptance="replay" if args.replay else "forced",
+        rounds=len(plan) - 1,
+        tokens_per_round=round(emitted / batch / max(1, len(plan) - 1), 2),
+        tokens_per_s=emitted / seconds,
         device_bytes=peak,
         draft_tier_bytes=stats.peak_draft_tier_bytes,
         staging_bytes=stats.peak_staging_bytes,
@@ -232,7 +262,11 @@ def parse(argv=None):
     parser.add_argument(
         "--accepted-per-round", type=int, help="forced accepted drafts per round (default 16)"
     )
-    parser.add_argument("--rounds", type=int, help="timed VeriCache rounds per configuration (default 2)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="timed VeriCache rounds per configuration (default 2; with --replay, 0: all)",
+    )
     parser.add_argument("--baseline-tokens", type=int, help="timed tokens per baseline run (default 16)")
     parser.add_argument("--compression-ratio", type=float, default=0.875)
     parser.add_argument(
@@ -240,7 +274,22 @@ def parse(argv=None):
     )
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens the host full tier grows by")
     parser.add_argument(
+        "--staging-chunk-tokens",
+        type=int,
+        default=VeriCacheConfig.staging_chunk_tokens,
+        help="tokens of one staging buffer (0: whole layers)",
+    )
+    parser.add_argument("--verify-attention", default="auto", help="VeriCacheConfig.verify_attention")
+    parser.add_argument(
+        "--replay", help="an acceptance trace (benchmarks/acceptance_trace.py) to replay instead of forcing"
+    )
+    parser.add_argument(
         "--budget-s", type=float, default=420, help="skip what is left after this many seconds"
+    )
+    parser.add_argument(
+        "--no-offloaded",
+        action="store_true",
+        help="skip transformers' offloaded cache (the slowest baseline)",
     )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dry-run", action="store_true", help="tiny config on the CPU, in seconds")
@@ -257,10 +306,12 @@ def parse(argv=None):
         defaults.update(
             sizes="tiny", contexts="256", batches="1,2", accepted_per_round=3, rounds=1, baseline_tokens=2
         )
+    if args.replay:
+        defaults["rounds"] = 0  # the whole trace
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.accepted_per_round < 1 or args.rounds < 1 or args.baseline_tokens < 1:
+    if args.accepted_per_round < 1 or args.rounds < (0 if args.replay else 1) or args.baseline_tokens < 1:
         parser.error("--accepted-per-round, --rounds and --baseline-tokens must be positive.")
     return args
 
@@ -290,7 +341,7 @@ def main(argv=None) -> list[dict]:
                 )
                 if on_device:
                     row["full_kv"] = run_full_kv(model, args, batch, context, device, dtype, offloading=False)
-                if offload_fits and device.startswith("cuda"):
+                if offload_fits and device.startswith("cuda") and not args.no_offloaded:
                     row["offloaded"] = run_full_kv(
                         model, args, batch, context, device, dtype, offloading=True
                     )

@@ -98,10 +98,15 @@ def test_captured_queries_are_the_queries_attention_receives(family):
         assert captured.scaling == module.scaling
 
 
-def test_verify_passes_need_no_environment_variable(monkeypatch):
-    """With TRANSFORMERS_SDPA_FORCE_GQA unset, a left-padded batch decodes exactly as stock generate, and another
-    thread's plain generate on the same model, running meanwhile, is stock too."""
-    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+@pytest.mark.parametrize("force_gqa", [None, "1"])
+def test_verify_passes_need_no_environment_variable(monkeypatch, force_gqa):
+    """With TRANSFORMERS_SDPA_FORCE_GQA unset (and set, as a user's environment may have it), a left-padded batch decodes
+    exactly as stock generate, and another thread's plain generate on the same model, running meanwhile, is stock
+    too."""
+    if force_gqa is None:
+        monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    else:
+        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", force_gqa)
     model = tiny_model("llama", seed=5)
     ids = random_prompt(60, batch=3, seed=5)
     mask = torch.ones_like(ids)

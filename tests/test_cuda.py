@@ -173,6 +173,23 @@ def test_engine_workers_compute_on_their_own_streams(cuda_llama):
         assert result.generated_tokens == expected.tolist()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "lower_right", "flex"])
+def test_verify_kernels_and_streamed_chunks_on_cuda_match_stock(cuda_llama, kernel):
+    """Each verify kernel on CUDA, and the full tier streamed through chunks far shorter than the prompt (merged by
+    log-sum-exp on the device): a left-padded batch decodes exactly as stock generate, with several chunk transfers
+    a layer and pass, none left held."""
+    ids, mask = padded_batch("cuda")
+    config = VeriCacheConfig(
+        compressor="snapkv", compression_ratio=0.75, chunk_tokens=32, draft_length=6, draft_schedule="fixed",
+        staging_chunk_tokens=40, verify_attention=kernel,
+    )  # fmt: skip
+    expected, out = generate_both(cuda_llama, ids, mask, config)
+    assert torch.equal(out.sequences, expected)
+    cache, stats = getattr(out, CACHE_OUTPUT_FIELD), out.vericache_stats
+    assert stats.chunk_transfers >= 3 * (stats.rounds + stats.plain_rounds) * len(cache.layers)
+    assert cache.transfers.buffers.held == 0
+
+
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "assistant"])
 def test_composed_drafting_on_cuda_matches_stock(cuda_llama, proposer):
     """A proposer offers tokens, the draft tier on the GPU checks them many per pass, the full tier verifies."""

@@ -531,3 +531,25 @@ def test_a_plain_gate_s_probe_does_not_make_drafting_look_cheaper_than_a_plain_r
     # the round that prices drafting and the schedule's own probes (after 16, 32, 64 and 128 plain rounds), but none
     # in a gate's probe's place (plain rounds priced at the gate's probes draft 39 rounds here)
     assert sum(k > 0 for k in lengths) <= 5
+
+
+def test_with_a_proposer_a_drafted_token_is_priced_by_the_passes_the_gate_will_run():
+    """A round whose rows all kept their proposals drafted 24 tokens in 3 passes; proposals then stopped paying
+    (the gate offers none). The next round's drafted token costs a one-token pass, as drafting alone prices it, not
+    the burst's eighth of a pass, so a burst does not make the schedule draft far past what will be kept."""
+    gate = ProposalLength(10)
+    gate.observe(1, 0.9, [0], [0])  # a call's first pass: not timed
+    gate.observe(1, 0.05, [0], [0])
+    for _ in range(6):  # wide passes whose proposals the bound rows did not keep
+        gate.observe(11, 0.15, [10], [0])
+    assert gate.current == 0
+    schedule = CostAwareDraftLength(VeriCacheConfig(), draft_gate=gate)
+    for drafted, passes in ((0, None), (0, None), (24, 3)):
+        schedule.observe(drafted, [drafted] * 4, 0.45 if drafted else 0.0, 0.3, passes=passes)
+    assert schedule.draft_step.value == pytest.approx(0.15)  # a draft step is a pass
+    assert schedule.draft_token_seconds == pytest.approx(gate.single.value)  # the next passes: one token each
+    alone = CostAwareDraftLength(VeriCacheConfig())
+    alone.observe(0, [0], 0.0, 0.3)
+    alone.observe(0, [0], 0.0, 0.3)
+    alone.observe(8, [8] * 4, 8 * 0.05, 0.3)
+    assert alone.draft_token_seconds == pytest.approx(0.05)  # drafting alone: its draft step

@@ -15,6 +15,7 @@ from vericache_hf.cache.full_tier import HostSnapshot
 from vericache_hf.cache.staging import buffer_tokens
 from vericache_hf.cache.vericache import VeriCacheLayer
 from vericache_hf.compressors import build_compressor
+from vericache_hf.verify_attention import VERIFY_KWARG
 
 from .conftest import no_worker_left, random_prompt, tiny_model, vericache_dict
 
@@ -22,14 +23,23 @@ HEADS, KEY_DIM, VALUE_DIM = 2, 8, 8
 CHUNK = 128
 
 
-def prefilled(layers: int, tokens: int, buffers: int = 2, batch: int = 1, seed: int = 0):
-    """A cache after prefill of random K/V (no model): returns it and each layer's prompt keys/values."""
+def prefilled(
+    layers: int,
+    tokens: int,
+    buffers: int = 2,
+    batch: int = 1,
+    seed: int = 0,
+    staging_chunk: int | None = None,
+):
+    """A cache after prefill of random K/V (no model): returns it and each layer's prompt keys/values. Its staging
+    buffers hold whole layers unless `staging_chunk` is given."""
     generator = torch.Generator().manual_seed(seed)
     cache = VeriCache(
         layers,
         build_compressor("streaming_llm", 0.75),
         chunk_tokens=CHUNK,
         staging_buffers=buffers,
+        staging_chunk_tokens=staging_chunk,
         transfer_timeout=30,
         stage_on_cpu=True,  # the accelerator's path: staging buffers and the transfer thread
     )
@@ -45,13 +55,21 @@ def prefilled(layers: int, tokens: int, buffers: int = 2, batch: int = 1, seed: 
 
 def verify_pass(cache: VeriCache, prompt, new_tokens: int = 5) -> None:
     """Run the verify side of every layer in order, as attention does, and check each layer hands attention
-    exactly the prompt's K/V followed by the new tokens'."""
+    exactly the prompt's K/V followed by the new tokens': as one tensor, or (a layer longer than a staging chunk)
+    the new tokens alone after the chunks attention reads."""
     batch = prompt[0][0].shape[0]
     with cache.verifying():
         for layer, (keys, values) in enumerate(prompt):
             new_keys = torch.randn(batch, HEADS, new_tokens, KEY_DIM)
             new_values = torch.randn(batch, HEADS, new_tokens, VALUE_DIM)
             got_keys, got_values = cache.update(new_keys, new_values, layer)
+            if cache.streams(layer):  # what streamed attention reads, and tells the pass it read
+                # a chunk's buffer takes a later chunk once the next is asked for: read each as it comes
+                chunks = [(k.clone(), v.clone()) for k, v in cache.stream_chunks(layer)]
+                assert all(chunk[0].shape[2] <= cache.staging_chunk_tokens for chunk in chunks)
+                got_keys = torch.cat([chunk[0] for chunk in chunks] + [got_keys], dim=2)
+                got_values = torch.cat([chunk[1] for chunk in chunks] + [got_values], dim=2)
+                cache.pass_kwargs()[VERIFY_KWARG].served.add(layer)
             assert torch.equal(got_keys, torch.cat([keys, new_keys], dim=2))
             assert torch.equal(got_values, torch.cat([values, new_values], dim=2))
 
@@ -78,12 +96,12 @@ def test_verify_stages_every_layer_through_a_bounded_set_of_buffers(buffers):
 def test_prefetch_during_drafting_makes_the_first_layers_resident_before_verify():
     cache, prompt = prefilled(layers=4, tokens=200)
     with cache.drafting(2):
-        first, second, third = (cache._round[i] for i in range(3))
+        first, second, third = (cache._round[i][0] for i in range(3))
         assert first.done.wait(10) and second.done.wait(10)
         assert (first.state, second.state, third.state) == ("ready", "ready", "backlog")  # two buffers
         with pytest.raises(RuntimeError, match="in flight"):
             cache.layers[0].full.truncate(100)  # the store may not shrink under a transfer
-    assert cache._round[0] is first  # drafting ended; the round waits for the verify pass
+    assert cache._round[0][0] is first  # drafting ended; the round waits for the verify pass
     verify_pass(cache, prompt, new_tokens=3)
     assert first.state == "released" and cache._round is None
     cache.close()
@@ -115,13 +133,16 @@ def test_a_forward_outside_any_phase_is_refused():
 
 
 @pytest.mark.parametrize("layers", [4, 8])
-def test_full_tier_device_bytes_are_the_staging_buffers_whatever_the_layer_count(layers):
-    """Accounting (B*H*T*D*bytes): the full tier on the device is two staged layers for 4 layers and for 8; the
-    full KV cache a DynamicCache would keep on the device is `layers` whole layers."""
+@pytest.mark.parametrize("staging_chunk", [None, 2048])
+def test_full_tier_device_bytes_are_the_staging_buffers_whatever_the_layer_count(layers, staging_chunk):
+    """Accounting (B*H*T*D*bytes): the full tier on the device is two staging buffers for 4 layers and for 8, each
+    a chunk of 2048 tokens, or without chunks a whole layer a quarter longer than the context; the full KV cache a
+    DynamicCache would keep on the device is `layers` whole layers."""
     context = 8192
-    cache, prompt = prefilled(layers=layers, tokens=context)
+    cache, prompt = prefilled(layers=layers, tokens=context, staging_chunk=staging_chunk)
     verify_pass(cache, prompt, new_tokens=17)
-    assert cache.stats.peak_staging_bytes == 2 * layer_bytes(buffer_tokens(context + 64))
+    staged = buffer_tokens(context + 64) if staging_chunk is None else staging_chunk
+    assert cache.stats.peak_staging_bytes == 2 * layer_bytes(staged)
     assert cache.full_tier_bytes() == layers * layer_bytes(context)  # host memory
     assert cache.stats.bytes_to_device == layers * layer_bytes(context)  # all of it staged through
     cache.close()
@@ -143,6 +164,7 @@ def test_generate_at_8k_and_32k_matches_stock_with_the_full_tier_staged():
         assert stats.chunk_transfers >= model.config.num_hidden_layers
         staging[context] = stats.peak_staging_bytes
         assert stats.full_tier_bytes > staging[context] > 0  # more is off the device than on it
+    assert staging[32768] == staging[8192]  # two chunks, whatever the context
 
 
 def stock(model, ids, **kwargs):
@@ -222,11 +244,11 @@ def test_a_transfer_failure_raises_from_generate_and_the_next_call_works(deep_ll
     original = HostSnapshot.copy_into
     calls = []
 
-    def failing_copy(self, keys_out, values_out):
+    def failing_copy(self, keys_out, values_out, *span):
         calls.append(1)
         if len(calls) == 9:  # layer 2 of the second verify pass
             raise OSError("injected transfer failure")
-        return original(self, keys_out, values_out)
+        return original(self, keys_out, values_out, *span)
 
     monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
     with pytest.raises(TransferError, match="injected transfer failure"):

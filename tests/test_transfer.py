@@ -131,9 +131,9 @@ def test_layers_arrive_in_submission_order_with_exactly_the_stored_tokens(monkey
     stores = [filled_store(30 + 7 * i, seed=i) for i in range(5)]
     order, original = [], HostSnapshot.copy_into
 
-    def recording_copy(self, keys_out, values_out):
+    def recording_copy(self, keys_out, values_out, *span):
         order.append(next(i for i, (store, _, _) in enumerate(stores) if store.keys is self.keys))
-        return original(self, keys_out, values_out)
+        return original(self, keys_out, values_out, *span)
 
     monkeypatch.setattr(HostSnapshot, "copy_into", recording_copy)
     layers = [engine.submit(store, "cpu", label=i, room=3) for i, (store, _, _) in enumerate(stores)]
@@ -240,13 +240,13 @@ def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usab
 
     all_submitted = threading.Event()
 
-    def failing_copy(self, keys_out, values_out):
+    def failing_copy(self, keys_out, values_out, *span):
         # Only this test's second store fails, and only once the whole request is queued: a failure cancels what
         # is pending, and a transfer submitted after the failure is a new request's business.
         if self.keys is stores[1].keys:
             all_submitted.wait(10)
             raise OSError("injected DMA failure")
-        return original(self, keys_out, values_out)
+        return original(self, keys_out, values_out, *span)
 
     monkeypatch.setattr(HostSnapshot, "copy_into", failing_copy)
     group = object()
@@ -280,9 +280,9 @@ def test_a_stuck_worker_times_out_in_the_caller_and_close_stops_it(monkeypatch):
     unblock = threading.Event()
     original = HostSnapshot.copy_into
 
-    def stuck_copy(self, keys_out, values_out):
+    def stuck_copy(self, keys_out, values_out, *span):
         unblock.wait(10)
-        return original(self, keys_out, values_out)
+        return original(self, keys_out, values_out, *span)
 
     monkeypatch.setattr(HostSnapshot, "copy_into", stuck_copy)
     stores = [filled_store(12, seed=i)[0] for i in range(3)]

@@ -1,7 +1,8 @@
 """Admission by device memory: what one request holds on the device, and the budget that admits requests by it.
 
 A VeriCache request keeps its draft tier on the device and its full tier in host memory; only `staging_buffers`
-layers of the full tier visit the device at once (none where layers read it in place, on the CPU). So a budget
+pieces of the full tier visit the device at once (none where layers read it in place, on the CPU), each a chunk of
+`staging_chunk_tokens` at most, or a whole layer when chunks are off. So a budget
 that would hold a few requests with the full KV on the device holds many more VeriCache requests, which is where
 serving throughput comes from. The counts here are physical: a quantizing compressor's draft tier is held
 dequantized, so it counts at full size (only token dropping shrinks what the device holds).
@@ -14,6 +15,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from .cache.staging import buffer_tokens
 from .compressors import build_compressor
 from .config import VeriCacheConfig
 
@@ -53,6 +55,14 @@ def _kept_tokens(compressor, tokens: int) -> int:
     return tokens
 
 
+def staging_tokens(config: VeriCacheConfig, tokens: int) -> int:
+    """Tokens one staging buffer holds for a layer of `tokens` (its full tier and a verify pass's block): a
+    quarter more than the layer, as the buffers grow (`cache/staging.py`), up to a chunk's fixed size
+    (`staging_chunk_tokens`; without one, whole layers however long)."""
+    chunk = config.staging_chunk_tokens
+    return buffer_tokens(tokens) if chunk is None else min(chunk, buffer_tokens(tokens))
+
+
 def footprint(
     model, config: VeriCacheConfig, prompt_tokens: int, max_new_tokens: int, on_device: bool | None = None
 ) -> Footprint:
@@ -70,7 +80,8 @@ def footprint(
     )
     grown = max_new_tokens + config.max_draft_length  # committed tokens, and one round's drafts
     draft = layers * per_layer_token * (_kept_tokens(compressor, prompt_tokens) + grown)
-    staging = config.staging_buffers * per_layer_token * (prompt_tokens + grown + 1) if on_device else 0
+    staging = config.staging_buffers * per_layer_token * staging_tokens(config, prompt_tokens + grown + 1)
+    staging = staging if on_device else 0
     return Footprint(draft + staging, layers * per_layer_token * (prompt_tokens + max_new_tokens))
 
 

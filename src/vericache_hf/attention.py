@@ -5,10 +5,12 @@ Registered once, at import, for each implementation transformers ships: `vericac
 wraps, so transformers builds exactly the masks it would build for the model. Only VeriCache's own copy of the
 module tree (`pass_model.py`) is configured with these names; the user's model is never changed.
 
-The wrapper adds two things to the stock call, and nothing else:
+The wrapper adds three things to the stock call, and nothing else:
 - **exact queries** for compressors that score tokens with them (SnapKV, H2O): a pass given a `vericache_capture`
   hands each layer's queries to it as attention receives them, after the model's own projections, norms and rotary
   embedding (partial, interleaved or fused, whatever the family does), with the layer's own scaling;
+- **the verify pass's kernel**: a pass given a `vericache_verify` (`verify_attention.VerifyPass`) attends with the
+  kernel it names, and over a full tier that arrives in chunks where it says so;
 - **grouped-query attention on a CPU**: for a multi-token pass with a mask (every verify pass), transformers' sdpa
   repeats K/V across the query heads unless a process-wide variable says otherwise; sdpa's `enable_gqa` computes the
   same result bit for bit on a CPU (checked for float64, float32 and bfloat16 in `tests/test_attention.py`) without
@@ -25,6 +27,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .verify_attention import VERIFY_KWARG
 
 PREFIX = "vericache_"
 #: The keyword a forward pass of the pass model takes its `QueryReader` by; it reaches attention through the
@@ -90,6 +94,13 @@ def _grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
     return output.transpose(1, 2).contiguous(), None
 
 
+def _stock(base: str, module: torch.nn.Module) -> Callable:
+    """The attention `base` names, as the wrapper runs it when a pass asks for nothing else."""
+    if base == "sdpa":
+        return _grouped_sdpa
+    return module_eager(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+
+
 def _make(base: str) -> Callable:
     def attention(
         module: torch.nn.Module,
@@ -104,10 +115,11 @@ def _make(base: str) -> Callable:
         capture = kwargs.pop(CAPTURE_KWARG, None)
         if capture is not None:
             capture.read(module, query, kwargs.get("scaling"))
-        if base == "sdpa":
-            return _grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
-        function = module_eager(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
-        return function(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        verify = kwargs.pop(VERIFY_KWARG, None)
+        stock = _stock(base, module)
+        if verify is not None:  # a verify pass: its kernel, and a full tier that may arrive in chunks
+            return verify.attend(module, query, key, value, attention_mask, stock, dropout=dropout, **kwargs)
+        return stock(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
     attention.__name__ = attention.__qualname__ = f"{PREFIX}{base}_attention"
     return attention

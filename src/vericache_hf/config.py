@@ -7,6 +7,7 @@ from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
 from .draft_model import check_draft_matmul, resolve_dtype
+from .verify_attention import check_kernel
 
 DRAFT_SCHEDULES = ("auto", "cost_aware", "adaptive", "fixed")
 
@@ -37,8 +38,20 @@ class VeriCacheConfig:
         min_draft_length / max_draft_length: bounds of the changing schedules (cost_aware may also choose 0).
         chunk_tokens: the granule, in tokens, by which each layer's host full tier grows (it doubles, in whole
             granules).
-        staging_buffers: layers of the full tier that may be on an accelerator at once (2: one copies while one is
-            read). Device memory for the full tier is at most `staging_buffers` layers, whatever the layer count.
+        staging_buffers: pieces of the full tier that may be on an accelerator at once (2: one copies while one is
+            read), each a layer or a chunk of one (`staging_chunk_tokens`).
+        staging_chunk_tokens: the most tokens a staging buffer holds. A layer whose full tier and verified block
+            fit is staged whole and attended as one tensor (its buffer a quarter longer, up to this size); a longer
+            one streams through buffers of this fixed size chunk by chunk, and the verify pass's attention merges the chunks by their log-sum-exp (flash attention's
+            online softmax), so device memory for the full tier is `staging_buffers` chunks whatever the context.
+            None stages whole layers: `staging_buffers` layers of a quarter more than the context, which grows with
+            it (at 8B Llama shapes, 128k tokens and batch 8, two such buffers hold about 10 GiB; two chunks of 3072
+            tokens, 192 MiB). Admission (`VeriCacheEngine`'s device_memory_budget) counts whichever is set.
+        verify_attention: the verify pass's attention kernel (`vericache_hf.verify_attention`): `"auto"` (the
+            fastest measured on the device: the model's own sdpa, grouped-query on a CPU), `"sdpa"`,
+            `"lower_right"` (sdpa with a lower-right causal bias, no materialized mask), `"flex"` (FlexAttention
+            with a block mask) or `"flash"` (flash-attn's KV-cache kernel, where installed). Each is exact; one that
+            cannot serve a pass (a row with masked slots, a family's softcapping) leaves it to the model's own.
         transfer_timeout: seconds any wait on a full-tier transfer may take before it raises.
         stage_on_cpu: when a layer's device is the CPU, its full tier is already in that memory, so the verify pass
             reads it in place (no copy, no transfer thread). True copies it through the staging buffers and the
@@ -89,6 +102,8 @@ class VeriCacheConfig:
     max_draft_length: int = 64
     chunk_tokens: int = 2048
     staging_buffers: int = 2
+    staging_chunk_tokens: int | None = 3072
+    verify_attention: str = "auto"
     transfer_timeout: float = 60.0
     stage_on_cpu: bool = False
     refresh: Any = None
@@ -123,6 +138,9 @@ class VeriCacheConfig:
                 f"got {self.proposer!r}."
             )
         check_draft_matmul(self.draft_matmul)
+        check_kernel(self.verify_attention)
+        if self.staging_chunk_tokens is not None:
+            check_int("staging_chunk_tokens", self.staging_chunk_tokens, why=" (or None: whole layers)")
         if self.draft_dtype is not None:  # kept as its name, so that the config saves as JSON
             self.draft_dtype = str(resolve_dtype(self.draft_dtype)).removeprefix("torch.")
         if self.prefix_store is not None:

@@ -118,7 +118,7 @@ def generate(
     )
     settings = _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(
-        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length
+        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length, io.proposal_length
     )
     cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
@@ -193,6 +193,8 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         stats=stats,
         chunk_tokens=config.chunk_tokens,
         staging_buffers=config.staging_buffers,
+        staging_chunk_tokens=config.staging_chunk_tokens,
+        verify_attention=config.verify_attention,
         transfer_timeout=config.transfer_timeout,
         refresh_policy=config.refresh,
         stage_on_cpu=config.stage_on_cpu,

@@ -44,8 +44,10 @@ class DraftLengthSchedule:
         remaining: int | None = None,
         tier_held: bool = True,
         asked: bool = False,
+        passes: int | None = None,
     ) -> None:
-        """After a round that drafted `drafted` tokens on the draft tier, verified a block of `verified` tokens
+        """After a round that drafted `drafted` tokens on the draft tier in `passes` passes (None: one a token),
+        verified a block of `verified` tokens
         (drafted + 1, or in a plain round with a proposer, its proposals + 1) and committed what it accepted.
         `remaining` is how many tokens a row may still emit (None: unknown); `tier_held`, whether the draft tier is
         there to draft on now (when not, drafting first pays `observe_build`'s cost); `asked`, whether a plain
@@ -149,11 +151,12 @@ class CostAwareDraftLength(DraftLengthSchedule):
         config: VeriCacheConfig,
         prior: dict[str, Any] | None = None,
         plain_gate: ProposalLength | None = None,
+        draft_gate: ProposalLength | None = None,
     ) -> None:
         super().__init__(config)
-        self.plain_gate = plain_gate
-        # the round that first prices drafting drafts a probe's length at most: where drafting does not pay
-        # (KNorm keeping 1.8 of 8 at 2k tokens, batch 1), eight drafts made that call 1.05x a stock one
+        self.plain_gate, self.draft_gate = plain_gate, draft_gate
+        # the round that first prices drafting drafts a probe's length at most: where drafting does not pay (KNorm keeping
+        # 1.8 of 8 at 2k tokens, batch 1), eight drafts made that call 1.05x a stock one
         self.first_length = min(config.draft_length, self.probe_length)
         self.acceptance = AcceptanceCurve(self.ACCEPTANCE_DECAY, self.high)
         self.draft_step = RunningMean(self.COST_DECAY)
@@ -200,13 +203,14 @@ class CostAwareDraftLength(DraftLengthSchedule):
         remaining=None,
         tier_held=True,
         asked=False,
+        passes=None,
     ) -> None:
         width = verified or drafted + 1
         # a call's first round pays one-off costs (the first decode step after a prefill ran up to 1.3x a later
         # one at batch 4): it is not timed, or a plain price from it alone would make drafting look cheap
         if self.rounds_seen:
             self._observe_costs(
-                drafted, accepted, width, draft_seconds, verify_seconds + commit_seconds, asked
+                drafted, accepted, width, draft_seconds, verify_seconds + commit_seconds, asked, passes
             )
         self.rounds_seen += 1
         if drafted and accepted:
@@ -214,9 +218,17 @@ class CostAwareDraftLength(DraftLengthSchedule):
         self.current = self._next(drafted, remaining, tier_held)
 
     def _observe_costs(
-        self, drafted: int, accepted: list[int], width: int, draft: float, verify: float, asked: bool
+        self,
+        drafted: int,
+        accepted: list[int],
+        width: int,
+        draft: float,
+        verify: float,
+        asked: bool,
+        passes: int | None = None,
     ) -> None:
-        """Add one round's times (`verify` with the commit) to the cost model."""
+        """Add one round's times (`verify` with the commit) to the cost model. A draft step is a draft pass: with
+        a proposer one pass may draft several tokens, which `draft_token_seconds` prices apart."""
         if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
             self.calibration.add(self.price(drafted)[1], draft + verify)
         if width > 1:
@@ -235,7 +247,7 @@ class CostAwareDraftLength(DraftLengthSchedule):
             self.offer_tokens.add(1 + sum(accepted) / len(accepted))
             self.offer_seconds.add(draft + verify)
         if drafted and accepted:
-            self.draft_step.add(draft / drafted)
+            self.draft_step.add(draft / (passes or drafted))
 
     def observe_build(self, seconds: float) -> None:
         self.build.add(seconds)
@@ -366,7 +378,22 @@ class CostAwareDraftLength(DraftLengthSchedule):
                     return offer
             return single
         expected = curve[k] if curve is not None else self.acceptance.expected(k)
-        return expected, k * self.draft_step.value + self.verify.predict(k + 1)
+        return expected, k * self.draft_token_seconds + self.verify.predict(k + 1)
+
+    @property
+    def draft_token_seconds(self) -> float:
+        """What one drafted token is expected to cost in the next round. Drafting alone: a draft step, measured
+        over drafted rounds. With a proposer whose draft-tier gate (`draft_gate`) has priced its passes: the
+        seconds per token of the passes it will run next, by its own model (one-token passes when proposals do
+        not pay, else passes of 1 + m tokens yielding what the rows the call waits for keep). A round's drafted
+        tokens over its draft time would price it by the proposals the last rounds happened to keep: on code at 2k
+        tokens and batch 4, one round whose rows all kept 10 priced a draft step at a third, and the next drafted
+        24 and was rejected within 7."""
+        gate = self.draft_gate
+        if gate is None or gate.fixed or not (gate.single.weight and gate.pass_seconds.n):
+            return self.draft_step.value
+        rate = gate.tokens_per_second(gate.current)
+        return 1.0 / rate if rate > 0 else self.draft_step.value
 
     @property
     def offers(self) -> bool:
@@ -430,15 +457,16 @@ def draft_length_schedule(
     sampling: bool = False,
     prior: dict[str, Any] | None = None,
     plain_gate: ProposalLength | None = None,
+    draft_gate: ProposalLength | None = None,
 ) -> DraftLengthSchedule:
     """The schedule `config.draft_schedule` names. `"auto"` is cost-aware under greedy decoding and adaptive under
     sampling: there the draft length decides which random numbers are drawn, so a length that follows the clock
     would make a seeded run unrepeatable (the output distribution would still be exact). `prior` (from
-    `SchedulePriors.recall`) starts a cost-aware schedule from earlier calls' measurements; `plain_gate` is the
-    call's `ProposalLength` for plain rounds, when it has a proposer."""
+    `SchedulePriors.recall`) starts a cost-aware schedule from earlier calls' measurements; `plain_gate` and
+    `draft_gate` are the call's `ProposalLength`s for plain rounds and draft-tier passes, when it has a proposer."""
     name = config.draft_schedule
     if name == "auto":
         name = "adaptive" if sampling else "cost_aware"
     if name == "cost_aware":
-        return CostAwareDraftLength(config, prior, plain_gate)
+        return CostAwareDraftLength(config, prior, plain_gate, draft_gate)
     return SCHEDULES[name](config)

@@ -417,7 +417,9 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
     loading = suffix and not io.prefix.full_tier_ready()
     turn = Round(active, left, k, suffix, loading=loading)
 
+    passes_before = stats.draft_forwards
     drafts, draft_probs = draft_round(model, cache, pending, positions, turn, io, seqs, schedule)
+    passes = stats.draft_forwards - passes_before
     raw, scores, accepted, tokens = verify_round(
         model, cache, pending, positions, drafts, draft_probs, turn, io, seqs, state.prefix
     )
@@ -440,6 +442,7 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
             remaining=max((io.of(b).max_length - seqs.lengths[b] for b in active), default=0),
             tier_held=cache.draft_tier_held,
             asked=turn.asked,
+            passes=passes or None,
         )
     if not any(seqs.unfinished):
         return

@@ -48,21 +48,28 @@ class HostSnapshot:
     def dtype(self) -> torch.dtype:
         return self.keys.dtype
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.keys[:, :, : self.length], self.values[:, :, : self.length])
+    def nbytes(self, start: int = 0, end: int | None = None) -> int:
+        """Bytes of the stored tokens, or of those in [start, end)."""
+        end = self.length if end is None else end
+        return tensor_bytes(self.keys[:, :, start:end], self.values[:, :, start:end])
 
-    def copy_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
-        """Copy the stored tokens into the first slots of (B, H, >=length, D) buffers; returns the bytes moved.
+    def copy_into(
+        self, keys_out: torch.Tensor, values_out: torch.Tensor, start: int = 0, end: int | None = None
+    ) -> int:
+        """Copy the stored tokens in [start, end) (all of them by default) into the first slots of (B, H, >=n, D)
+        buffers; returns the bytes moved.
 
         One copy per (row, head): each is a contiguous block on both sides, so on CUDA with pinned memory every copy
         is an asynchronous DMA on the caller's current stream (a strided slice would go through a pageable
         temporary and block)."""
+        end = self.length if end is None else end
+        count = end - start
         for source, target in ((self.keys, keys_out), (self.values, values_out)):
             rows_in = source.flatten(0, 1)  # (B*H, capacity, D)
             rows_out = target.flatten(0, 1)
             for row in range(rows_in.shape[0]):
-                rows_out[row, : self.length].copy_(rows_in[row, : self.length], non_blocking=True)
-        return self.nbytes()
+                rows_out[row, :count].copy_(rows_in[row, start:end], non_blocking=True)
+        return self.nbytes(start, end)
 
 
 class HostKVStore:

@@ -147,6 +147,8 @@ def _rebuilt(
         template.compressor,
         stats=template.stats,
         chunk_tokens=template.chunk_tokens,
+        staging_chunk_tokens=template.staging_chunk_tokens,
+        verify_attention=template.verify_attention,
         transfers=template.transfers,
         refresh_policy=template.refresh_policy,
         stage_on_cpu=template.stage_on_cpu,

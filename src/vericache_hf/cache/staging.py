@@ -1,9 +1,15 @@
-"""Device staging buffers for verification: the full tier is brought in one layer at a time.
+"""Device staging buffers for verification: the full tier visits the device a piece at a time.
 
-A fixed number of buffer slots (default 2) exists; a layer's transfer must hold a slot, and gives it back once the
-verify pass has attended to that layer. A slot holds one layer's stored tokens plus room for the tokens the verify
-pass checks, which attention then reads as one (B, H, T, D) tensor, as stock attention expects. Device memory for
-the full tier is therefore `num_buffers` layers, whatever the number of layers.
+A fixed number of buffer slots (default 2) exists; a transfer must hold a slot, and gives it back once the verify
+pass has attended to what it holds. A buffer holds at most `staging_chunk_tokens`, and one of two things
+(`VeriCache.prefetch` chooses):
+- a whole layer that fits: its stored tokens plus room for the tokens the verify pass checks, which attention reads
+  as one (B, H, T, D) tensor, as stock attention expects (the buffer a quarter longer, up to a chunk's size);
+- one chunk of a longer layer, which the verify pass's attention merges with the others as they arrive
+  (`verify_attention.streamed_attention`).
+Device memory for the full tier is therefore `num_buffers` chunks, whatever the context and the number of layers.
+Without a chunk size (`staging_chunk_tokens=None`) a buffer holds a whole layer: `num_buffers` layers of a quarter
+more than the context (`buffer_tokens`), which grows with it.
 """
 
 from __future__ import annotations
@@ -54,9 +60,12 @@ class StagingBuffers:
         dtype: torch.dtype,
         shape: tuple[int, int, int, int],
         needed: int,
+        capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's (B, H, >=needed, D) key/value buffers on `device`; `shape` is (batch, heads, key_dim,
-        value_dim). A slot's buffers are reused while they are large enough for the same shape, else replaced."""
+        value_dim). A slot's buffers are reused while they are large enough for the same shape, else replaced by
+        buffers of `capacity` tokens (a chunk's, fixed), or of `buffer_tokens(needed)` (a whole layer's, which grow
+        a quarter ahead of the context)."""
         batch, heads, key_dim, value_dim = shape
         current = self.pairs.get((slot, device))
         if current is not None:
@@ -65,7 +74,7 @@ class StagingBuffers:
             if same and keys.dtype == dtype and keys.shape[2] >= needed:
                 return current
             del self.pairs[(slot, device)], current, keys, values  # free the old pair before allocating
-        tokens = buffer_tokens(needed)
+        tokens = buffer_tokens(needed) if capacity is None else max(capacity, needed)
         keys = torch.empty((batch, heads, tokens, key_dim), dtype=dtype, device=device)
         values = torch.empty((batch, heads, tokens, value_dim), dtype=dtype, device=device)
         self.pairs[(slot, device)] = (keys, values)

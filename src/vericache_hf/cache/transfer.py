@@ -1,4 +1,5 @@
-"""The transfer engine: a queue of layer transfers (host full tier -> device staging buffer) served by one worker.
+"""The transfer engine: a queue of transfers (host full tier -> device staging buffer) served by one worker, each a
+whole layer or one chunk of a layer (see `staging.py`).
 
 It belongs to no request: any cache may `submit` its layers, in the order it will read them. A transfer waits in
 the backlog until a staging slot is free (backpressure: at most `num_buffers` layers are on the device), then the
@@ -43,12 +44,16 @@ class TransferError(RuntimeError):
 
 @dataclass(eq=False)
 class LayerTransfer:
-    """One layer's full tier on its way to the device, into a buffer with `room` free slots after it."""
+    """One layer's full tier, or its tokens [start, end) (a chunk), on its way to the device, into a buffer with
+    `room` free slots after them (of `capacity` tokens when one is set)."""
 
     store: HostKVStore
     snapshot: HostSnapshot
     device: torch.device
     room: int = 0
+    start: int = 0
+    end: int | None = None  # None: up to the snapshot's length
+    capacity: int | None = None
     group: Any = None
     label: Any = None
     state: str = "backlog"
@@ -69,8 +74,18 @@ class LayerTransfer:
 
     @property
     def tokens(self) -> int:
-        """Tokens the transfer copies."""
+        """Tokens the layer held when the transfer was queued (what the verify pass must still find there)."""
         return self.snapshot.length
+
+    @property
+    def stop(self) -> int:
+        """The end of the tokens the transfer copies."""
+        return self.snapshot.length if self.end is None else self.end
+
+    @property
+    def count(self) -> int:
+        """Tokens the transfer copies, into the first slots of its buffers."""
+        return self.stop - self.start
 
     @property
     def name(self) -> str:
@@ -124,11 +139,14 @@ class TransferEngine:
         group: Any = None,
         label: Any = None,
         room: int = 0,
+        span: tuple[int, int] | None = None,
+        capacity: int | None = None,
     ) -> LayerTransfer:
-        """Queue a copy of `store` as it is now into a device buffer with `room` free slots after it (for the
-        tokens the verify pass checks); transfers are served in submission order. `label` names the layer in
-        errors."""
+        """Queue a copy of `store` as it is now (or of its tokens in `span`, a chunk) into a device buffer with
+        `room` free slots after it (for the tokens the verify pass checks), of `capacity` tokens when given (a
+        chunk's fixed size); transfers are served in submission order. `label` names the layer in errors."""
         snapshot, device = store.snapshot(), torch.device(device)
+        start, end = span if span is not None else (0, None)
         events = {}
         if _cuda(device):  # the copy must follow the non-blocking appends queued on this stream
             events["submitted"] = torch.cuda.Event()
@@ -138,6 +156,9 @@ class TransferEngine:
             snapshot,
             device,
             room,
+            start,
+            end,
+            capacity,
             group,
             label,
             inference_mode=torch.is_inference_mode_enabled(),
@@ -265,7 +286,12 @@ class TransferEngine:
             transfer.slot, transfer.state = slot, "queued"
             snapshot = transfer.snapshot
             transfer.keys, transfer.values = self.buffers.buffers(
-                slot, transfer.device, snapshot.dtype, snapshot.shape, snapshot.length + transfer.room
+                slot,
+                transfer.device,
+                snapshot.dtype,
+                snapshot.shape,
+                transfer.count + transfer.room,
+                transfer.capacity,
             )
             self._queue.append(transfer)
         if self._queue and self._thread is None:
@@ -310,7 +336,9 @@ class TransferEngine:
     def _copy(self, transfer: LayerTransfer, freed: Any) -> None:
         started = time.perf_counter()
         if not _cuda(transfer.device):
-            transfer.bytes = transfer.snapshot.copy_into(transfer.keys, transfer.values)
+            transfer.bytes = transfer.snapshot.copy_into(
+                transfer.keys, transfer.values, transfer.start, transfer.stop
+            )
             transfer.seconds = time.perf_counter() - started
             return
         stream = self._streams.get(transfer.device)
@@ -322,7 +350,9 @@ class TransferEngine:
             if freed is not None:
                 stream.wait_event(freed)  # the slot's previous layer has been read
             start.record(stream)
-            transfer.bytes = transfer.snapshot.copy_into(transfer.keys, transfer.values)
+            transfer.bytes = transfer.snapshot.copy_into(
+                transfer.keys, transfer.values, transfer.start, transfer.stop
+            )
             end.record(stream)
             ready.record(stream)
         transfer.keys.record_stream(stream)

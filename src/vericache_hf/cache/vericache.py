@@ -35,13 +35,16 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import CAPTURE_KWARG
+from ..checks import check_int
 from ..stats import VeriCacheStats
 from ..timeline import Timeline
+from ..verify_attention import VERIFY_KWARG, VerifyPass, resolve_kernel
 from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
 from .refresh import RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
+from .staging import buffer_tokens
 from .transfer import LayerTransfer, TransferEngine
 
 #: Tokens a staging buffer leaves free after the full tier when no draft length was announced.
@@ -140,6 +143,8 @@ class VeriCacheLayer(CacheLayerMixin):
         self.pending_in_place = self.reads_in_place
         if self.pending_in_place:
             return self.full.extend_view(keys, values)
+        if self.owner.streams(self.layer_idx):  # attention reads the full tier chunk by chunk, then these
+            return keys, values
         staged_keys, staged_values = self.owner.staged(self.layer_idx)
         stored, end = self.full.length, self.full.length + keys.shape[-2]
         if staged_keys.shape[2] < end:  # more tokens than the room announced when drafting started
@@ -179,8 +184,10 @@ class VeriCacheLayer(CacheLayerMixin):
 class VeriCache(Cache):
     """Two-tier cache for draft-then-verify decoding. Build one per request.
 
-    `chunk_tokens` is the granule the host full tier grows by; `staging_buffers` is how many layers of the full tier
-    may be on an accelerator at once; `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
+    `chunk_tokens` is the granule the host full tier grows by; `staging_buffers` is how many pieces of the full tier
+    may be on an accelerator at once, each a layer that fits in `staging_chunk_tokens` or one chunk of that many
+    tokens of a longer layer (None: whole layers, however long); `verify_attention` is the verify pass's kernel
+    (`verify_attention.KERNELS`); `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
     full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
     place. Pass a shared `transfers` engine to serve several caches through one queue (its own buffer count,
     timeout and link then apply); `link_bytes_per_s` emulates a slower link for a private one (benchmarks only),
@@ -200,7 +207,14 @@ class VeriCache(Cache):
         stage_on_cpu: bool = False,
         link_bytes_per_s: float | None = None,
         timeline: Timeline | None = None,
+        staging_chunk_tokens: int | None = 3072,
+        verify_attention: str = "auto",
     ) -> None:
+        if staging_chunk_tokens is not None:
+            check_int("staging_chunk_tokens", staging_chunk_tokens)
+        resolve_kernel(verify_attention, torch.device("cpu"))  # checks the name
+        self.staging_chunk_tokens = staging_chunk_tokens
+        self.verify_attention = verify_attention
         if refresh_policy is not None:
             check_refreshable(compressor)
         self.refresh_policy = refresh_policy
@@ -218,8 +232,11 @@ class VeriCache(Cache):
         self.full_valid: torch.Tensor | None = None
         self._capture: QueryCapture | None = None
         self._held: dict[int, CompressionContext] = {}  # layer inputs a deferred query-aware build reads
-        self._round: dict[int, LayerTransfer] | None = None  # the next verify pass's transfers, by layer
+        # the next verify pass's transfers, by layer: one for a whole layer, one per chunk for a streamed layer
+        self._round: dict[int, list[LayerTransfer]] | None = None
+        self._streamed: set[int] = set()  # layers of this round's pass that arrive in chunks
         self._staged: list[LayerTransfer] = []  # transfers the running verify pass has read
+        self._verify_pass: VerifyPass | None = None
         self._draft_valid: torch.Tensor | None = None  # (B, drafted slots marked by `keep_drafted`)
         # no masked slot in the tier (no padding, nothing a row rejected): passes need no explicit mask
         self._full_dense = self._draft_dense = False
@@ -286,8 +303,12 @@ class VeriCache(Cache):
             self._capture = None
 
     def pass_kwargs(self) -> dict:
-        """What a forward on this cache passes the model besides it: the capture, while one is open."""
-        return {CAPTURE_KWARG: self._capture} if self._capture is not None else {}
+        """What a forward on this cache passes the model besides it: the capture, while one is open, and in a
+        verify pass what its attention needs (`verify_attention.VerifyPass`)."""
+        kwargs = {CAPTURE_KWARG: self._capture} if self._capture is not None else {}
+        if self._verify_pass is not None:
+            kwargs[VERIFY_KWARG] = self._verify_pass
+        return kwargs
 
     def _prompt_queries(self, context: CompressionContext) -> None:
         """A prefill layer's queries arrived: compress its prompt K/V now, or hold them for `build_draft_tier`."""
@@ -514,16 +535,38 @@ class VeriCache(Cache):
             )
         if self._round is None or self._stale():
             self.prefetch()
+        self._verify_pass = self.verify_pass()
         try:
             with self._phase("verifying", "idle"):
                 yield
+            self._check_served()
             self._record_round()
         except BaseException:
             for layer in self.layers:
                 layer.pending = None
             raise
         finally:
+            self._verify_pass = None
             self.end_round()
+
+    def verify_pass(self) -> VerifyPass:
+        """What the coming verify pass hands its attention layers: the kernel for the layers' device, whether every
+        row's slots are real (a plain lower-right causal block), and the streamed layers' chunks."""
+        device = self.layers[0].device if self.layers[0].is_initialized else torch.device("cpu")
+        return VerifyPass(
+            kernel=resolve_kernel(self.verify_attention, device),
+            dense=self._full_dense,
+            chunks=self.stream_chunks,
+        )
+
+    def _check_served(self) -> None:
+        """A streamed layer handed attention only the block's tokens: its attention must have read the chunks."""
+        missed = sorted(self._verify_pass.streamed - self._verify_pass.served)
+        if missed:
+            raise RuntimeError(
+                f"the verify pass's attention did not read the full tier of layers {missed}, which arrives in "
+                "chunks: run VeriCache passes on vericache_hf.pass_model.pass_model(model), whose attention does."
+            )
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
         """Commit the first `count` tokens of the last verify pass; `valid` (B, count) masks the ones a row rejected."""
@@ -566,51 +609,116 @@ class VeriCache(Cache):
             return
         self.end_round()
         self._round = {
-            layer.layer_idx: self.transfers.submit(
-                layer.full, layer.device, group=self, label=layer.layer_idx, room=room
-            )
+            layer.layer_idx: self._submit_layer(layer, room)
             for layer in self.layers
             if not layer.reads_in_place
         }
+        self._streamed = {index for index, transfers in self._round.items() if transfers[0].end is not None}
         self.stats.peak_draft_tier_bytes = max(self.stats.peak_draft_tier_bytes, self.draft_tier_bytes())
 
-    def staged(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s (B, H, capacity, D) staging buffers, holding its full tier, once its transfer is
-        done. The layer read before it has been attended to, so its buffers go back to the engine."""
-        transfer = self._round.get(layer_idx) if self._round is not None else None
-        if transfer is None:
+    def _submit_layer(self, layer: VeriCacheLayer, room: int) -> list[LayerTransfer]:
+        """Queue a layer's full tier for the verify pass: whole, with `room` slots after it, when that fits in one
+        staging chunk (or no chunk size is set); else as chunks of `staging_chunk_tokens`, each into a buffer of
+        that fixed size, which attention merges as they arrive (`verify_attention.streamed_attention`)."""
+        chunk, stored = self.staging_chunk_tokens, layer.full.length
+        if chunk is None or stored + room <= chunk:
+            # a buffer grows with a short layer (a quarter ahead) up to a chunk's size, and stays there
+            capacity = None if chunk is None else min(chunk, buffer_tokens(stored + room))
+            return [
+                self.transfers.submit(
+                    layer.full, layer.device, group=self, label=layer.layer_idx, room=room, capacity=capacity
+                )
+            ]
+        return [
+            self.transfers.submit(
+                layer.full,
+                layer.device,
+                group=self,
+                label=layer.layer_idx,
+                span=(start, min(start + chunk, stored)),
+                capacity=chunk,
+            )
+            for start in range(0, stored, chunk)
+        ]
+
+    def streams(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s full tier reaches the running verify pass in chunks; the pass is told, so
+        that its attention reads them (`VerifyPass.streamed`)."""
+        if layer_idx not in self._streamed:
+            return False
+        if self._verify_pass is not None:
+            self._verify_pass.streamed.add(layer_idx)
+        return True
+
+    def _layer_transfers(self, layer_idx: int) -> list[LayerTransfer]:
+        transfers = self._round.get(layer_idx) if self._round is not None else None
+        if not transfers:
             raise RuntimeError(f"layer {layer_idx}'s full tier was not queued for this verify pass.")
         stored = self.layers[layer_idx].full.length
-        if transfer.tokens != stored:
+        if transfers[0].tokens != stored:
             raise RuntimeError(
-                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({transfer.tokens} -> "
+                f"layer {layer_idx}'s full tier changed while its transfer was in flight ({transfers[0].tokens} -> "
                 f"{stored} tokens); commit only after the verify pass."
             )
-        if self._staged:  # first, so that a single staging buffer can serve the next layer
+        return transfers
+
+    def _read(self, transfer: LayerTransfer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for a transfer of this pass; the one read before it has been attended to, so its buffers go back
+        to the engine first (so that a single staging buffer can serve the next)."""
+        if self._staged:
             self.transfers.release(self._staged[-1])
         self._staged.append(transfer)
         return self.transfers.wait(transfer)
 
+    def staged(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s (B, H, capacity, D) staging buffers, holding its whole full tier, once its transfer
+        is done."""
+        transfers = self._layer_transfers(layer_idx)
+        if layer_idx in self._streamed:
+            raise RuntimeError(
+                f"layer {layer_idx}'s full tier arrives in chunks: read it with stream_chunks()."
+            )
+        return self._read(transfers[0])
+
+    def stream_chunks(self, layer_idx: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer `layer_idx`'s full tier as (B, H, n, D) chunks on its device, in order, each as its transfer is
+        done; each chunk's buffers go back to the engine when the next is asked for."""
+        for transfer in self._layer_transfers(layer_idx):
+            keys, values = self._read(transfer)
+            yield keys[:, :, : transfer.count], values[:, :, : transfer.count]
+
     def layer_full_tier(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s whole full tier on its device (for a refresh, which compresses a layer at once:
-        device memory for it is one layer, briefly)."""
+        """Layer `layer_idx`'s whole full tier on its device (for a refresh, or a prefill after a seeded prefix,
+        which read a layer at once: device memory for it is one layer, briefly, outside the staging buffers,
+        which it passes through in chunks)."""
         layer = self.layers[layer_idx]
         if layer.reads_in_place:
             return layer.full.view()
-        transfer = self.transfers.submit(layer.full, layer.device, group=self, label=layer_idx)
+        transfers = (
+            self._submit_layer(layer, 0)
+            if self.staging_chunk_tokens
+            else [self.transfers.submit(layer.full, layer.device, group=self, label=layer_idx)]
+        )
+        pieces = []
         try:
-            keys, values = self.transfers.wait(transfer)
-            keys, values = keys[:, :, : transfer.tokens].clone(), values[:, :, : transfer.tokens].clone()
-        finally:
-            self.transfers.release(transfer)
-        self.stats.bytes_to_device += transfer.bytes
-        return keys, values
+            for transfer in transfers:
+                keys, values = self.transfers.wait(transfer)
+                pieces.append((keys[:, :, : transfer.count].clone(), values[:, :, : transfer.count].clone()))
+                self.transfers.release(transfer)  # the next chunk may take its buffer
+                self.stats.bytes_to_device += transfer.bytes
+        finally:  # after an error, those not read yet (a release is a no-op on a released transfer)
+            for transfer in transfers:
+                self.transfers.release(transfer)
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([p[0] for p in pieces], dim=2), torch.cat([p[1] for p in pieces], dim=2)
 
     def end_round(self) -> None:
         """Release (or cancel) the transfers of the current round."""
-        for transfer in (self._round or {}).values():
-            self.transfers.release(transfer)
-        self._round, self._staged = None, []
+        for transfers in (self._round or {}).values():
+            for transfer in transfers:
+                self.transfers.release(transfer)
+        self._round, self._staged, self._streamed = None, [], set()
 
     def close(self) -> None:
         """Drop pending transfers (the cache stays readable); a private engine's worker then exits."""
@@ -619,11 +727,12 @@ class VeriCache(Cache):
         self._held.clear()
 
     def _stale(self) -> bool:
-        return any(transfer.tokens != self.layers[i].full.length for i, transfer in self._round.items())
+        return any(transfers[0].tokens != self.layers[i].full.length for i, transfers in self._round.items())
 
     def _record_round(self) -> None:
         stats = self.stats
-        for transfer in (self._round or {}).values():  # none while a stored prefix loads in place
+        transfers = [t for layer in (self._round or {}).values() for t in layer]  # none while a prefix loads
+        for transfer in transfers:
             self.transfers.settle(transfer)
             stats.chunk_transfers += 1
             stats.bytes_to_device += transfer.bytes
