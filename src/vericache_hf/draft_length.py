@@ -155,8 +155,8 @@ class CostAwareDraftLength(DraftLengthSchedule):
     ) -> None:
         super().__init__(config)
         self.plain_gate, self.draft_gate = plain_gate, draft_gate
-        # the round that first prices drafting drafts a probe's length at most: where drafting does not pay (KNorm keeping
-        # 1.8 of 8 at 2k tokens, batch 1), eight drafts made that call 1.05x a stock one
+        # the round that first prices drafting drafts a probe's length at most: where drafting does not pay
+        # (KNorm keeping 1.8 of 8 at 2k tokens, batch 1), eight drafts made that call 1.05x a stock one
         self.first_length = min(config.draft_length, self.probe_length)
         self.acceptance = AcceptanceCurve(self.ACCEPTANCE_DECAY, self.high)
         self.draft_step = RunningMean(self.COST_DECAY)
