@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
+import vericache_hf
 from vericache_hf import VeriCacheConfig
 from vericache_hf.compressors import (
     KIVICompressor,
@@ -77,10 +78,54 @@ def test_prompt_longer_than_the_model_allows_is_refused():
         run(model, random_prompt(40))
 
 
-def test_sliding_window_model_is_refused():
-    model = tiny_model("mistral", sliding_window=16)
-    with pytest.raises(ValueError, match="sliding"):
-        run(model, random_prompt(8))
+def test_sliding_window_rows_with_ragged_acceptance_match_stock():
+    """A window shorter than the prompt, on a left-padded batch whose rows accept different counts: the window
+    counts each row's positions, as stock's contiguous rows do, not the slots its rejected drafts left masked."""
+    model = tiny_model("mistral", sliding_window=8)
+    ids = random_prompt(40, batch=3, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :9], mask[2, :17] = 0, 0
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    config = vericache_hf.VeriCacheConfig(compressor="snapkv", draft_length=5, draft_schedule="fixed")
+    got = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+    )
+    assert torch.equal(got, expected)
+
+
+def test_a_window_counts_positions_where_a_row_has_holes():
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    from vericache_hf.window_mask import window_aware
+
+    padding = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)  # a pad, then holes at slots 3 and 4
+    kwargs = dict(batch_size=1, q_length=2, kv_length=8, q_offset=6, kv_offset=0, local_size=3)
+    got = window_aware(sdpa_mask)(
+        mask_function=sliding_window_causal_mask_function(3), attention_mask=padding, **kwargs
+    )
+    # positions of slots 1, 2, 5, 6, 7 are 0..4: the query at slot 6 (position 3) sees positions 1..3
+    assert got[0, 0].tolist() == [
+        [False, False, True, False, False, True, True, False],
+        [False, False, False, False, False, True, True, True],
+    ]
+    counted_in_slots = sdpa_mask(
+        mask_function=sliding_window_causal_mask_function(3), attention_mask=padding, **kwargs
+    )
+    assert not torch.equal(got, counted_in_slots)
+
+
+def test_a_model_with_recurrent_layers_is_refused_before_decoding_naming_the_kind():
+    from vericache_tools.families import prompts
+    from vericache_tools.families import tiny_model as family_model
+
+    model = family_model("qwen3_next").float()
+    with pytest.raises(ValueError, match="linear_attention"):
+        model.generate(**prompts(1), max_new_tokens=2, generation_mode="vericache")
 
 
 def test_mistral_without_sliding_window_is_served_exactly():

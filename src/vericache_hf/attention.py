@@ -2,7 +2,8 @@
 
 Registered once, at import, for each implementation transformers ships: `vericache_sdpa` wraps `sdpa`,
 `vericache_eager` the model's own eager function, and so on, each with the mask function of the implementation it
-wraps, so transformers builds exactly the masks it would build for the model. Only VeriCache's own copy of the
+wraps, so transformers builds exactly the masks it would build for the model (a sliding window or chunk counted in
+token positions where a row holds masked slots: `window_mask.py`). Only VeriCache's own copy of the
 module tree (`pass_model.py`) is configured with these names; the user's model is never changed.
 
 The wrapper adds three things to the stock call, and nothing else:
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
@@ -29,11 +31,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .verify_attention import VERIFY_KWARG
+from .window_mask import window_aware
 
 PREFIX = "vericache_"
 #: The keyword a forward pass of the pass model takes its `QueryReader` by; it reaches attention through the
 #: model's `**kwargs`, as every transformers keyword meant for attention does.
 CAPTURE_KWARG = "vericache_capture"
+#: The capture open in this thread's pass, for families whose layers do not hand `**kwargs` on to attention: a
+#: context variable is per thread, so another thread's forward on the same modules never sees it.
+ACTIVE_CAPTURE: ContextVar[QueryReader | None] = ContextVar(CAPTURE_KWARG, default=None)
 
 
 class QueryReader(Protocol):
@@ -112,7 +118,7 @@ def _make(base: str) -> Callable:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # `dropout` by position too: kvpress wraps every registered attention function and passes it so
-        capture = kwargs.pop(CAPTURE_KWARG, None)
+        capture = kwargs.pop(CAPTURE_KWARG, None) or ACTIVE_CAPTURE.get()
         if capture is not None:
             capture.read(module, query, kwargs.get("scaling"))
         verify = kwargs.pop(VERIFY_KWARG, None)
@@ -132,4 +138,4 @@ def register_attention() -> None:
         if base.startswith(PREFIX) or wrapped_name(base) in ALL_ATTENTION_FUNCTIONS._global_mapping:
             continue
         AttentionInterface.register(wrapped_name(base), _make(base))
-        AttentionMaskInterface.register(wrapped_name(base), ALL_MASK_ATTENTION_FUNCTIONS[base])
+        AttentionMaskInterface.register(wrapped_name(base), window_aware(ALL_MASK_ATTENTION_FUNCTIONS[base]))

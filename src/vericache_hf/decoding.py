@@ -23,6 +23,7 @@ from .compressors import build_compressor
 from .config import VeriCacheConfig
 from .draft_length import PRIORS, draft_length_schedule
 from .draft_model import draft_model
+from .layer_plan import check_compressor, text_config
 from .loop import begin, decode, prefill_prefix, run_round
 from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
@@ -187,8 +188,9 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
     compressor = build_compressor(
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
+    check_compressor(model, compressor)
     cache = VeriCache(
-        model.config.num_hidden_layers,
+        text_config(model).num_hidden_layers,
         compressor,
         stats=stats,
         chunk_tokens=config.chunk_tokens,

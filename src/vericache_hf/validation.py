@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers import GenerationConfig
@@ -10,38 +11,18 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 
 from .compat import passed_cache
-
-#: Decoder-only families whose attention applies RoPE before the cache update and uses full attention in every
-#: layer; these are tested for exactness against stock `generate`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from .layer_plan import layer_plan
 
 
 def check_model(model) -> None:
+    """Refuse, before any decoding, a model VeriCache cannot serve exactly, saying why and what to do."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"VeriCache serves decoder-only models; {type(model).__name__} is an encoder-decoder model. "
             "Use stock generate() for it."
         )
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"VeriCache does not support model_type={model_type!r} yet: exactness is only verified for "
-            f"{SUPPORTED_MODEL_TYPES} (full attention in every layer, RoPE applied before the cache). "
-            "Use stock generate() for this model."
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted({kind for kind in layer_types if kind != "full_attention"})
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(
-        config, "use_sliding_window", True
-    )
-    if odd or sliding:
-        what = f"layer types {odd}" if odd else f"sliding_window={config.sliding_window}"
-        raise ValueError(
-            f"VeriCache needs full attention in every layer, but this {model_type} model uses {what}: a sliding-window "
-            "or non-attention layer cannot be verified against a full KV cache. Use a config without it "
-            "(e.g. sliding_window=None) or stock generate()."
-        )
+    layer_plan(model, strict=True)
 
 
 def check_generation(
@@ -51,6 +32,12 @@ def check_generation(
         raise ValueError(
             f"VeriCache needs a non-empty prompt of shape (batch, length); got shape {tuple(input_ids.shape)}. "
             "Give at least one token (for example the BOS token)."
+        )
+    if input_ids.shape[0] > 1 and "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"{type(model).__name__} counts positions from the cache's length (its forward takes no position_ids), "
+            "so in a batch whose rows accept different numbers of drafted tokens a row's later tokens would sit "
+            "at other positions than in stock generate. Give VeriCache one prompt per call (batch 1)."
         )
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and input_ids.shape[-1] > limit:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..attention import CAPTURE_KWARG
+from ..attention import ACTIVE_CAPTURE, CAPTURE_KWARG
 from .compressor import CompressionContext
 
 
@@ -75,6 +75,6 @@ class QueryCapture:
 
 def record_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of the pass model's attention layers: hands the layer's input to a pass's capture."""
-    capture = kwargs.get(CAPTURE_KWARG)
+    capture = kwargs.get(CAPTURE_KWARG) or ACTIVE_CAPTURE.get()
     if capture is not None:
         capture.record_input(module, args[0] if args else kwargs["hidden_states"], kwargs)

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention import CAPTURE_KWARG
+from ..attention import ACTIVE_CAPTURE, CAPTURE_KWARG
 from ..checks import check_int
 from ..stats import VeriCacheStats
 from ..timeline import Timeline
@@ -297,9 +297,11 @@ class VeriCache(Cache):
     def capturing(self, capture: QueryCapture | None) -> Iterator[QueryCapture | None]:
         """Hand `capture` to the attention layers of the passes run inside (`pass_kwargs`)."""
         self._capture = capture
+        active = ACTIVE_CAPTURE.set(capture)
         try:
             yield capture
         finally:
+            ACTIVE_CAPTURE.reset(active)
             self._capture = None
 
     def pass_kwargs(self) -> dict:

@@ -1,0 +1,175 @@
+"""What each decoder layer is, read from the model itself, and whether VeriCache can serve it exactly.
+
+A model is served when every decoder layer is self-attention over a KV cache: full attention, a sliding window or
+attention chunks (the window and chunks count token positions, whatever holes ragged acceptance leaves in a row;
+see `window_mask.py`). A layer that carries a recurrent, linear-attention or convolution state is refused with its
+kind named: a draft would advance that state past the tokens the verify pass accepts, and VeriCache keeps no
+per-position copy of it to roll back to.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+#: `config.layer_types` values that are self-attention over a KV cache.
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
+SLIDING_KINDS = {"sliding_attention", "local"}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer: its kind (a `config.layer_types` value, or `full_attention`) and its window in tokens
+    (sliding or chunked layers), None for full attention."""
+
+    index: int
+    kind: str
+    window: int | None = None
+
+    @property
+    def servable(self) -> bool:
+        return self.kind in ATTENTION_KINDS
+
+
+def text_config(model: nn.Module):
+    """The decoder's config: a vision-language model's text config, or the model's own."""
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [
+        module
+        for module in model.modules()
+        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int)
+    ]
+
+
+def _kinds(config, layers: int) -> list[str]:
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return [str(kind) for kind in kinds]
+    block_types = getattr(config, "layers_block_type", None)  # Jamba, Zamba and other hybrids
+    if block_types:
+        return ["full_attention" if kind == "attention" else str(kind) for kind in block_types]
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return ["sliding_attention"] * layers
+    return ["full_attention"] * layers
+
+
+def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
+    """Each decoder layer's plan. With `strict`, a model VeriCache cannot serve exactly raises a ValueError that
+    names the layer kind and what to do instead."""
+    config = text_config(model)
+    layers = getattr(config, "num_hidden_layers", None) or len(_attention_modules(model))
+    kinds = _kinds(config, layers)[:layers]
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    plans = []
+    for index, kind in enumerate(kinds):
+        size = chunk if kind == "chunked_attention" else window if kind in SLIDING_KINDS else None
+        plans.append(LayerPlan(index, kind, size))
+    if strict:
+        check_plan(model, plans)
+    return plans
+
+
+#: Why a layer kind that is not plain self-attention cannot be served, by the words its `layer_types` use.
+_STATEFUL = ("linear", "mamba", "conv", "recurrent", "rwkv", "ssm", "hybrid", "mlp", "moe")
+_SECOND_CACHE = ("indexed", "compressed", "sparse")
+#: What a modeling file builds a windowed layer's mask with: a family that imports none of these keeps its window
+#: by dropping tokens from the cache instead.
+_WINDOW_MASKS = (
+    "create_sliding_window_causal_mask",
+    "create_chunked_causal_mask",
+    "create_masks_for_generate",
+)
+
+
+def refusal_reason(kind: str) -> str:
+    """Why VeriCache cannot serve a layer of this kind exactly."""
+    if any(word in kind for word in _SECOND_CACHE):
+        return (
+            "it selects or compresses keys with a cache of its own (an indexer's keys or a compressed KV) beside "
+            "the attention KV, which VeriCache's draft and full tiers do not hold"
+        )
+    if any(word in kind for word in _STATEFUL):
+        return (
+            "it keeps a recurrent, linear-attention or convolution state that a draft would advance past the "
+            "accepted tokens, and VeriCache keeps no per-position copy of that state to roll back to"
+        )
+    return "VeriCache does not know this layer kind, so it cannot promise exactness for it"
+
+
+def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
+    """Refuse, before any decoding, a model with a layer VeriCache cannot serve exactly."""
+    name = type(model).__name__
+    odd = sorted({plan.kind for plan in plans if not plan.servable})
+    if odd:
+        reasons = "; ".join(f"{kind!r}: {refusal_reason(kind)}" for kind in odd)
+        raise ValueError(
+            f"VeriCache cannot serve {name} exactly because of its layers of kind {reasons}. Use stock generate() "
+            "(or its assistant_model / prompt_lookup_num_tokens speculative decoding) for this model."
+        )
+    config = text_config(model)
+    windowed = sorted({plan.kind for plan in plans if plan.window is not None})
+    masks = vars(sys.modules.get(type(model).__module__, object))
+    if windowed and not any(name in masks for name in _WINDOW_MASKS):
+        raise ValueError(
+            f"VeriCache cannot serve {name} exactly: its {windowed} layers keep their window by dropping tokens "
+            "from the cache, not through a sliding-window mask, and VeriCache's full tier keeps every token. "
+            "Use a config without the window (sliding_window=None), or stock generate()."
+        )
+    if getattr(config, "cross_attention_layers", None):
+        raise ValueError(
+            f"VeriCache cannot serve {name}: its cross-attention layers {list(config.cross_attention_layers)} "
+            "attend to image states rather than a cache of generated tokens, which VeriCache's tiers do not hold. "
+            "Use stock generate() for this model."
+        )
+    attention = _attention_modules(model)
+    if not attention:
+        raise ValueError(
+            f"VeriCache cannot serve {name}: it has no self-attention layers that read a KV cache through "
+            "transformers' Cache (nothing to compress or verify against). Use stock generate() for this model."
+        )
+    if len(attention) < len(plans):
+        raise ValueError(
+            f"VeriCache cannot serve {name} exactly: only {len(attention)} of its {len(plans)} decoder layers are "
+            "self-attention over a KV cache; the others keep a recurrent or convolution state that drafting would "
+            "advance past the accepted tokens. Use stock generate() for this model."
+        )
+    bidirectional = sorted(
+        {
+            module.layer_idx
+            for name, module in model.named_modules()
+            if module in attention
+            and getattr(module, "is_causal", True) is False
+            and "encoder" not in name
+            and "cross" not in name
+        }
+    )
+    if getattr(config, "is_decoder", None) is not False and getattr(config, "is_causal", True) is not False:
+        bidirectional = []  # the model builds causal masks whatever its modules' flags say
+    if bidirectional:
+        raise ValueError(
+            f"VeriCache cannot serve {name} exactly: its attention layers {bidirectional} are bidirectional "
+            "(is_causal=False), so a block of drafted tokens would let earlier tokens see later ones. Load it as a "
+            "decoder (is_decoder=True in its config), or use stock generate()."
+        )
+
+
+def check_compressor(model: nn.Module, compressor) -> None:
+    """Refuse a compressor that cannot score this model's cache, before any pass: queries cannot score the
+    latents that multi-head latent attention (DeepSeek V2/V3, Kimi, MiniCPM3) keeps in its cache."""
+    if getattr(compressor, "scores_with_queries", False) and getattr(
+        text_config(model), "kv_lora_rank", None
+    ):
+        raise ValueError(
+            f"{type(compressor).__name__} scores tokens with each layer's queries, but {type(model).__name__} "
+            "uses multi-head latent attention: its cache holds compressed latents, which its queries do not score "
+            "directly. Use a compressor that reads the cache alone (streaming_llm, knorm, kivi, quanto, ...)."
+        )

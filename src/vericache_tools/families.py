@@ -1,0 +1,316 @@
+"""Tiny random models of every causal-LM family transformers ships, and the verdict VeriCache gives each.
+
+The families come from transformers' own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so the matrix grows with
+transformers. A family's tiny model is its default config shrunk field by field (only the fields its config has),
+with a short sliding window so that window layers matter at a 70-token prompt. A family is *in the matrix* when its
+tiny model builds and runs stock `generate`; then VeriCache must either match stock at batch 1 and on a left-padded
+batch of 3, or refuse it with a `ValueError` before decoding. `python -m vericache_tools.families` writes
+`docs/models.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import vericache_hf
+from vericache_hf.layer_plan import layer_plan
+
+VOCAB = 128
+PROMPT_TOKENS = 70
+NEW_TOKENS = 20
+WINDOW = 16
+MAX_PARAMETERS = 30_000_000
+
+#: Field values that make any family's config tiny; a config takes those of its own fields.
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "num_hidden_layers": 4,
+    "n_layer": 4,
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "sliding_window": WINDOW,
+    "attention_chunk_size": WINDOW,
+    "sliding_window_pattern": 2,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_intermediate_size": 64,
+    "expert_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 16,
+    "state_size": 8,
+    "mamba_d_state": 8,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_ff_dim": 128,
+    "attention_window_size": WINDOW,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
+    "rotary_dim": 8,
+    "is_decoder": True,
+}
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What VeriCache does with one family: `exact`, `refused` (with the reason), `differs`, `crashes`, or `out`
+    of the matrix (its tiny model does not build or stock `generate` fails on it)."""
+
+    family: str
+    verdict: str
+    layer_kinds: str = ""
+    dtype: str = ""
+    reason: str = ""
+
+
+def _fields(config_class) -> set[str]:
+    names = set(inspect.signature(config_class.__init__).parameters)
+    if dataclasses.is_dataclass(config_class):
+        names |= {f.name for f in dataclasses.fields(config_class)}
+    return names
+
+
+def _tiny_kwargs(config_class) -> dict:
+    fields = _fields(config_class)
+    return {name: value for name, value in TINY.items() if name in fields}
+
+
+def _keep_layer_kinds(default, kwargs: dict) -> None:
+    """Keep every layer kind of the default config in the shrunk one: the shortest prefix of its layer pattern
+    that holds each kind, at least the tiny layer count."""
+    kinds = getattr(default, "layer_types", None)
+    if not kinds or "layer_types" not in _fields(type(default)):
+        return
+    layers = kwargs.get("num_hidden_layers", 4)
+    while layers < len(kinds) and set(kinds[:layers]) != set(kinds):
+        layers += 1
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if name in kwargs:
+            kwargs[name] = layers
+    kwargs["layer_types"] = list(kinds[:layers])
+
+
+def tiny_config(family: str):
+    """The family's default config, shrunk; sub-configs (text, vision, audio) shrunk alike."""
+    config_class = type(AutoConfig.for_model(family))
+    kwargs = _tiny_kwargs(config_class)
+    default = config_class()
+    _keep_layer_kinds(default, kwargs)
+    if getattr(default, "kv_lora_rank", None) is not None:  # latent attention: one KV head per query head
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    for name in ("text_config", "vision_config", "audio_config"):
+        sub = getattr(default, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            shrunk = _tiny_kwargs(type(sub))
+            _keep_layer_kinds(sub, shrunk)
+            kwargs[name] = {**sub.to_dict(), **shrunk}
+            if name == "vision_config":
+                kwargs[name].update(num_hidden_layers=1, depth=1, image_size=32, patch_size=8)
+    return config_class(**kwargs)
+
+
+def tiny_model(family: str, seed: int = 0):
+    """The family's tiny random model in float64, or float32 where the family does not run in float64."""
+    config = tiny_config(family)
+    with torch.device("meta"):  # counted before a byte is allocated
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise RuntimeError(f"the shrunk config still has {size} parameters")
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # a family without sdpa runs its eager attention
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        for module in model.modules():  # sharper distributions: random weights then draft long runs
+            if module is model.get_output_embeddings():
+                module.weight.mul_(4.0)
+    return model
+
+
+def prompts(batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A 70-token prompt (batch 1) or a left-padded batch of rows 70, 55 and 40 tokens long."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, PROMPT_TOKENS), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 15, 30][:batch]):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _stock(model, inputs) -> torch.Tensor:
+    return model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+
+
+class _Tokens:
+    """A streamer that counts what it is handed: the prompt first, then each generated token."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+
+    def end(self) -> None:
+        pass
+
+
+def _vericache(model, inputs, streamer: _Tokens | None = None) -> torch.Tensor:
+    config = vericache_hf.VeriCacheConfig(
+        compressor="snapkv", compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
+    )
+    return model.generate(
+        **inputs,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        generation_mode="vericache",
+        vericache_config=config,
+        streamer=streamer,
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
+
+
+def judge(family: str) -> Verdict:
+    """Build the family's tiny model, run stock `generate`, then VeriCache at batch 1 and 3."""
+    try:
+        model = tiny_model(family)
+    except Exception as error:  # noqa: BLE001 - any failure to build keeps the family out, with its reason
+        return Verdict(family, "out", reason=f"tiny model does not build: {_first_line(error)}")
+    kinds = ", ".join(sorted({layer.kind for layer in layer_plan(model, strict=False)}))
+    dtype = torch.float64
+    try:
+        model = model.to(dtype)
+        expected = [_stock(model, prompts(batch)) for batch in (1, 3)]
+    except Exception:  # noqa: BLE001 - grouped matmuls and some kernels refuse float64
+        dtype = torch.float32
+        model = model.to(dtype)
+        try:
+            expected = [_stock(model, prompts(batch)) for batch in (1, 3)]
+        except Exception as error:  # noqa: BLE001
+            return Verdict(family, "out", kinds, "", f"stock generate fails: {_first_line(error)}")
+    name = str(dtype).removeprefix("torch.")
+    for batch, stock in zip((1, 3), expected, strict=True):
+        streamer = _Tokens() if batch == 1 else None  # streamers take batch 1 only
+        try:
+            got = _vericache(model, prompts(batch), streamer)
+        except ValueError as error:
+            if streamer is not None and streamer.puts > 1:  # a refusal must come before the first token
+                return Verdict(
+                    family, "crashes", kinds, name, f"refused after decoding began: {_first_line(error)}"
+                )
+            return Verdict(family, "refused", kinds, name, str(error).strip().splitlines()[0])
+        except Exception as error:  # noqa: BLE001 - a crash is a verdict of its own
+            traceback.print_exc(file=sys.stderr)
+            return Verdict(family, "crashes", kinds, name, f"batch {batch}: {_first_line(error)}")
+        if not torch.equal(got, stock):
+            return Verdict(family, "differs", kinds, name, f"batch {batch} differs from stock generate")
+    return Verdict(family, "exact", kinds, name)
+
+
+def families() -> list[str]:
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def render(verdicts: list[Verdict]) -> str:
+    matrix = [v for v in verdicts if v.verdict != "out"]
+    counts = {
+        kind: sum(v.verdict == kind for v in matrix) for kind in ("exact", "refused", "differs", "crashes")
+    }
+    lines = [
+        "# Models",
+        "",
+        "Every causal-LM family of the transformers installed here, each as a tiny random model: VeriCache either",
+        "matches stock `generate` token for token (greedy, at batch 1 and on a left-padded batch of 3 whose rows",
+        "accept different counts), or refuses the model with a `ValueError` before decoding. A family whose tiny",
+        "model does not build or does not run stock `generate` is listed as *out*.",
+        "",
+        f"Regenerate: `.venv/bin/python -m vericache_tools.families --write docs/models.md` "
+        f"(transformers {transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}).",
+        "",
+        f"Of {len(matrix)} families in the matrix: {counts['exact']} exact, {counts['refused']} refused, "
+        f"{counts['differs']} differ, {counts['crashes']} crash; {len(verdicts) - len(matrix)} out.",
+        "",
+        "| family | layer kinds | dtype | verdict | reason |",
+        "|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        reason = v.reason.replace("|", "\\|")
+        lines.append(f"| {v.family} | {v.layer_kinds} | {v.dtype} | {v.verdict} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", help="families to judge (all by default)")
+    parser.add_argument("--write", type=Path, help="write the table to this markdown file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    verdicts = []
+    for family in args.families or families():
+        verdict = judge(family)
+        print(
+            f"{verdict.family:28s} {verdict.verdict:8s} {verdict.dtype:8s} {verdict.layer_kinds:40s} {verdict.reason}"
+        )
+        sys.stdout.flush()
+        verdicts.append(verdict)
+    if args.write:
+        args.write.write_text(render(verdicts))
+
+
+if __name__ == "__main__":
+    main()
