@@ -43,7 +43,7 @@ from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
-from .refresh import RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
+from .refresh import RefreshClock, RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
 from .staging import buffer_tokens
 from .transfer import LayerTransfer, TransferEngine
 
@@ -218,6 +218,8 @@ class VeriCache(Cache):
         if refresh_policy is not None:
             check_refreshable(compressor)
         self.refresh_policy = refresh_policy
+        # this cache's own count towards the policy: one config may serve many calls at once
+        self.refresh_clock = RefreshClock(refresh_policy) if refresh_policy is not None else None
         self.compressor = compressor
         self.chunk_tokens = chunk_tokens
         self.stage_on_cpu = stage_on_cpu
