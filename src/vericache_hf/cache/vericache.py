@@ -229,6 +229,7 @@ class VeriCache(Cache):
             if transfers is not None
             else TransferEngine(staging_buffers, transfer_timeout, link_bytes_per_s, timeline=timeline)
         )
+        self._owns_transfers = transfers is None  # its own engine's worker lives as long as the cache
         self.phase = "idle"
         self.prompt_valid: torch.Tensor | None = None
         self.full_valid: torch.Tensor | None = None
@@ -723,9 +724,12 @@ class VeriCache(Cache):
         self._round, self._staged, self._streamed = None, [], set()
 
     def close(self) -> None:
-        """Drop pending transfers (the cache stays readable); a private engine's worker then exits."""
+        """Drop pending transfers and stop a private engine's worker (the cache stays readable: a later transfer
+        starts another)."""
         self.end_round()
         self.transfers.cancel(self)
+        if self._owns_transfers:
+            self.transfers.stop_worker()
         self._held.clear()
 
     def _stale(self) -> bool:
