@@ -1,10 +1,13 @@
-"""The library's background threads run torch's CPU ops on themselves alone (`vericache_hf.background`), so that
+"""The library's background threads run torch's CPU ops on themselves alone (`vericache_hf._threads`), so that
 their OpenMP teams never outnumber the cores and slow the decoding thread; the caller's setting stays its own.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheEngine
-from vericache_hf.background import release_workers, run_ops_alone
+from vericache_hf._threads import release_workers, run_ops_alone
 from vericache_hf.cache.transfer import TransferEngine
 from vericache_hf.prefix import DiskStore, flush
 
@@ -193,3 +196,59 @@ def test_an_idle_engine_holds_no_openmp_team(two_threads, cohort_size):
         while native_threads() != baseline and time.monotonic() < deadline:  # each thread reaches its wait
             time.sleep(0.05)
         assert native_threads() == baseline
+
+
+def run_python(code: str) -> None:
+    subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=True, timeout=300)
+
+
+def test_importing_the_library_or_decoding_off_the_cpu_does_not_import_threadpoolctl():
+    run_python(
+        """
+        import sys
+        import vericache_hf
+        from vericache_hf._threads import in_background, waiting
+
+        waiting("cuda")
+        in_background("cuda")
+        assert "threadpoolctl" not in sys.modules, "imported"
+        """
+    )
+
+
+def test_without_threadpoolctl_the_cpu_hooks_do_nothing_and_decoding_is_exact():
+    run_python(
+        """
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "threadpoolctl":
+                    raise ImportError("blocked: threadpoolctl")
+
+        sys.meta_path.insert(0, Block())
+        import threading
+        import torch
+        import vericache_hf
+        from vericache_hf._threads import in_background, release_workers, waiting
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.set_num_threads(2)
+        waiting()
+        release_workers()
+        thread = threading.Thread(target=in_background)
+        thread.start()
+        thread.join()
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+        model = LlamaForCausalLM(config).double().eval()
+        ids = torch.randint(3, 96, (1, 30))
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+        config = vericache_hf.VeriCacheConfig(compressor="streaming_llm", draft_schedule="fixed", stage_on_cpu=True)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, generation_mode="vericache",
+                             vericache_config=config)
+        assert torch.equal(out, expected)
+        assert "threadpoolctl" not in sys.modules
+        """
+    )

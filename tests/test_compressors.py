@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf.cache.refresh import RefreshPolicy, check_refreshable, refresh_draft_tier
+from vericache_hf.cache.refresh import RefreshClock, RefreshPolicy, check_refreshable, refresh_draft_tier
 from vericache_hf.compressors import (
     BitsAndBytesCompressor,
     ComposedCompressor,
@@ -152,7 +152,7 @@ def test_refresh_keeps_output_exact(llama):
     config = VeriCacheConfig(compressor=KnormCompressor(0.5), refresh=policy)
     out = vericache(llama, ids, config=config, max_new_tokens=40)
     assert torch.equal(out.sequences, stock(llama, ids, max_new_tokens=40))
-    assert policy.refreshes >= 2
+    assert out.vericache_stats.draft_tier_refreshes >= 2
     cache = out.past_key_values
     refresh_draft_tier(cache)
     assert cache.layers[0].draft.num_committed == -(-cache.layers[0].full.length // 2)
@@ -167,8 +167,8 @@ def test_refresh_with_a_query_aware_compressor_is_refused(llama):
 
 
 def test_refresh_policy_triggers_and_rejects():
-    policy = RefreshPolicy(min_accepted=2.0, window_rounds=2)
-    assert not policy.due(3, 1.0) and not policy.due(1, None) and policy.due(3, 1.0)  # None: drafted nothing
+    clock = RefreshClock(RefreshPolicy(min_accepted=2.0, window_rounds=2))
+    assert not clock.due(3, 1.0) and not clock.due(1, None) and clock.due(3, 1.0)  # None: drafted nothing
     with pytest.raises(ValueError, match="every_tokens, min_accepted"):
         RefreshPolicy()
     with pytest.raises(ValueError, match="cannot be refreshed"):

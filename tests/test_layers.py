@@ -42,7 +42,7 @@ def test_the_cache_is_the_ground_floor():
         "checks",
         "compat",
         "timeline",
-        "background",
+        "_threads",
         "attention",
         "verify_attention",
     }

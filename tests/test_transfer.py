@@ -5,16 +5,19 @@ default a CPU layer reads its full tier in place (`extend_view` + `commit_in_pla
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 
+from vericache_hf import VeriCacheConfig
 from vericache_hf.cache.full_tier import HostKVStore, HostSnapshot
 from vericache_hf.cache.staging import StagingBuffers, buffer_tokens
-from vericache_hf.cache.transfer import TransferEngine, TransferError
+from vericache_hf.cache.transfer import WORKER_THREAD_NAME, TransferEngine, TransferError
 
-from .conftest import no_worker_left
+from .conftest import no_worker_left, random_prompt, tiny_model
 
 BYTES_PER_TOKEN = 2 * 3 * (8 + 4) * 4  # (B=2, H=3), key dim 8 + value dim 4, float32
 
@@ -148,6 +151,7 @@ def test_layers_arrive_in_submission_order_with_exactly_the_stored_tokens(monkey
         assert transfer.state == "released" and store.transfers_in_flight == 0
     assert order == list(range(5))
     assert engine.buffers.held == 0
+    engine.close()
     assert no_worker_left()
 
 
@@ -173,6 +177,7 @@ def test_backpressure_bounds_the_layers_on_the_device(num_buffers):
     # Released unread, a transfer still waiting for a slot (or for the worker) is cancelled, not copied.
     assert all(t.state in ("released", "cancelled") for t in transfers)
     assert [t.state for t in transfers[: num_buffers + 1]] == ["released"] * (num_buffers + 1)
+    engine.close()
     assert no_worker_left()
 
 
@@ -212,6 +217,7 @@ def test_staging_buffers_hold_the_layer_plus_room_and_are_reused_while_large_eno
     other_keys, _ = engine.wait(transfer)
     assert other_keys.shape[:2] == (1, 3) and other_keys.dtype == torch.float64
     engine.release(transfer)
+    engine.close()
     assert len(engine.buffers.pairs) == 1 and no_worker_left()
 
 
@@ -230,6 +236,7 @@ def test_truncating_a_store_with_a_transfer_in_flight_is_refused():
         store.extend_view(keys[:, :, :2], values[:, :, :2])
     engine.release(transfer)  # as the verify pass does once it has attended to the layer
     store.truncate(10)
+    engine.close()
     assert store.length == 10 and no_worker_left()
 
 
@@ -261,7 +268,7 @@ def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usab
         with pytest.raises(TransferError, match="cancelled"):
             engine.wait(later)
         assert later.state == "cancelled"
-    assert no_worker_left() and not engine.worker_alive
+    assert engine.worker_alive  # a failed copy fails its transfer, not the worker
     assert engine.buffers.held == 0 and all(store.transfers_in_flight == 0 for store in stores)
     for transfer in transfers:  # releasing a failed or cancelled transfer is harmless
         engine.release(transfer)
@@ -272,6 +279,7 @@ def test_a_failure_in_the_worker_raises_in_the_caller_and_leaves_the_engine_usab
     transfer = engine.submit(store, "cpu")
     assert torch.equal(engine.wait(transfer)[0][:, :, :12], keys)
     engine.release(transfer)
+    engine.close()
     assert no_worker_left()
 
 
@@ -392,4 +400,71 @@ def test_a_shared_engine_gives_each_group_its_share_of_the_slots():
         engine.release(transfer)
     assert engine.buffers.held == 0 and not engine._held
     engine.close()
+    engine.close()
     assert no_worker_left()
+
+
+def transfer_workers() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == WORKER_THREAD_NAME]
+
+
+def test_one_worker_serves_the_engine_between_rounds_until_it_is_closed_or_collected():
+    before = set(transfer_workers())
+    engine = TransferEngine(num_buffers=1, timeout=10)
+    seen = []
+    for seed in range(3):  # rounds, with the engine idle between them
+        store, keys, _ = filled_store(12, seed=seed)
+        transfer = engine.submit(store, "cpu")
+        assert torch.equal(engine.wait(transfer)[0][:, :, :12], keys)
+        engine.release(transfer)
+        (worker,) = set(transfer_workers()) - before
+        worker.join(0.2)  # idle: it waits for the next round instead of exiting
+        assert worker.is_alive()
+        seen.append(worker)
+    assert seen == [seen[0]] * 3
+    engine.close()
+    assert not seen[0].is_alive()
+
+    store, keys, _ = filled_store(12)  # a closed engine still serves: its next transfer starts a worker
+    transfer = engine.submit(store, "cpu")
+    assert torch.equal(engine.wait(transfer)[0][:, :, :12], keys)
+    engine.release(transfer)
+    (worker,) = set(transfer_workers()) - before
+    del engine, transfer  # nobody holds the engine: collecting it stops its worker
+    gc.collect()
+    worker.join(5)
+    assert not worker.is_alive()
+
+
+def test_a_call_staging_on_the_cpu_keeps_one_worker_for_all_its_rounds_and_leaves_none():
+    """The verify pass of every round reads its full tier through the transfer engine; the same worker serves them
+    all, and the call's end stops it."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = random_prompt(60, seed=4)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=24)
+    before = set(transfer_workers())
+    seen: list[list[threading.Thread]] = []
+
+    def observe(input_ids, scores):
+        seen.append(sorted(set(transfer_workers()) - before, key=id))
+        return scores
+
+    config = VeriCacheConfig(
+        compressor="streaming_llm", draft_length=4, draft_schedule="fixed", stage_on_cpu=True, chunk_tokens=32
+    )
+    out = model.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=24,
+        generation_mode="vericache",
+        vericache_config=config,
+        logits_processor=LogitsProcessorList([observe]),
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, expected)
+    assert out.vericache_stats.rounds >= 3 and out.vericache_stats.chunk_transfers > 0
+    served = seen[next(i for i, workers in enumerate(seen) if workers) :]  # from the first verify pass on
+    assert len(served) >= 3 and all(len(workers) == 1 for workers in served), served
+    assert all(workers == served[0] for workers in served)  # one thread, not one a round
+    served[0][0].join(5)
+    assert not served[0][0].is_alive()

@@ -4,7 +4,7 @@
 drafts on a compressed KV cache and verifies against the full one, so greedy output equals stock `generate`'s.
 """
 
-from .background import release_workers
+from ._threads import release_workers
 from .cache import VeriCache
 from .cache.refresh import RefreshPolicy
 from .cache.transfer import TransferError

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList
 
-from .background import release_workers
+from ._threads import waiting
 from .cache import rows
 from .cache.vericache import VeriCache
 from .config import VeriCacheConfig
@@ -318,7 +318,9 @@ class CohortPool:
             self._active += 1
             self._start_threads()
             self._changed.notify_all()
-        release_workers()  # this thread's OpenMP team sits idle while a cohort thread decodes its row
+        waiting(
+            self.model.device
+        )  # this thread's OpenMP team sits idle while a cohort thread decodes its row
         member.done.wait()
         if member.error is not None:
             raise member.error
@@ -409,7 +411,7 @@ class CohortPool:
                         break
                     if self._closed and not self._joining:
                         return None
-                    release_workers()
+                    waiting(self.model.device)
                     self._changed.wait(0.5)
             if joining:
                 if cohort is None or not cohort.members:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
@@ -19,7 +19,9 @@ class VeriCacheConfig:
     Parameters:
         compressor: the lossy method that builds the draft tier. A name (`"streaming_llm"`, `"snapkv"`, `"kivi"`,
             see `vericache_hf.compressors.available_compressors()`), a `Compressor` instance, a kvpress press, or a
-            list of these applied in order (token dropping first, e.g. `["snapkv", "kivi"]`).
+            list of these applied in order (token dropping first, e.g. `["snapkv", "kivi"]`). A dict gives one by
+            name and settings, as a saved config writes it: `{"compressor": "kivi", "bits": 2}` for a compressor of
+            the library, `{"kvpress": "SnapKVPress", "compression_ratio": 0.5}` for a kvpress press.
         compression_ratio: the fraction of the KV cache removed, as in kvpress (0.75 keeps a quarter of the
             tokens; a quantizer maps it to a bit width relative to 16-bit storage: 0.75 is 4-bit).
         compression_budget: tokens kept per layer by a token-dropping compressor given by name (or a press),
@@ -58,7 +60,8 @@ class VeriCacheConfig:
             transfer thread anyway, as on an accelerator: the same results, slower; it runs the accelerator's
             transfer path on a CPU-only machine.
         refresh: a `vericache_hf.cache.refresh.RefreshPolicy` that rebuilds the draft tier from the full tier every
-            N committed tokens or when acceptance drops (K/V-only compressors). None never refreshes.
+            N committed tokens or when acceptance drops (K/V-only compressors), or its settings as a dict. Each call
+            counts towards it on its own. None never refreshes.
         proposer: hierarchical drafting's proposer: `"prompt_lookup"` (n-grams of the prefix, no second model; a match
             of two tokens or more, up to `max_matching_ngram_size`, 3 if unset, proposes) or an assistant model that
             shares the tokenizer. The draft tier checks its proposals many tokens per pass and the full tier verifies
@@ -120,11 +123,17 @@ class VeriCacheConfig:
     def __post_init__(self) -> None:
         from .cache.refresh import RefreshPolicy
         from .compressors import check_compressor_spec
+        from .compressors.naming import spec_from_json
 
+        if isinstance(self.refresh, dict):  # as saved in a generation config
+            self.refresh = RefreshPolicy(**self.refresh)
         if self.refresh is not None and not isinstance(self.refresh, RefreshPolicy):
             raise TypeError(
-                f"refresh must be a vericache_hf.cache.refresh.RefreshPolicy or None, got {type(self.refresh).__name__}."
+                "refresh must be a vericache_hf.cache.refresh.RefreshPolicy, its settings as a dict, or None, got "
+                f"{type(self.refresh).__name__}."
             )
+        # a compressor or press given by name and settings (as saved) is built here, so the config holds objects
+        self.compressor = spec_from_json(self.compressor)
         check_ratio("compression_ratio", self.compression_ratio)
         check_budget("compression_budget", self.compression_budget)
         # The compressor is checked, not built: a bad name or list entry is refused here rather than at generate.
@@ -185,17 +194,29 @@ class VeriCacheConfig:
 
     @classmethod
     def from_any(cls, value: VeriCacheConfig | dict[str, Any] | None) -> VeriCacheConfig:
-        """Accept a config, a plain dict (as stored in a `GenerationConfig`) or None (defaults)."""
+        """Accept a config, a plain dict (as `to_dict` writes it, and a `GenerationConfig` stores it) or None
+        (defaults)."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
+            unknown = sorted(set(value) - {item.name for item in fields(cls)})
+            if unknown:
+                raise ValueError(
+                    f"Unknown VeriCacheConfig settings {unknown}; the settings are those of "
+                    "vericache_hf.VeriCacheConfig (a saved config may come from another version: save it again)."
+                )
             return cls(**value)
         raise TypeError(f"vericache_config must be a VeriCacheConfig or a dict, got {type(value).__name__}.")
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly dict, for saving inside `generation_config` (compressor objects are kept by repr)."""
+        """A JSON-friendly dict, for saving inside `generation_config`, that `from_any` reads back into an equal
+        config: compressors and presses by name and settings, the refresh policy by its settings. Raises
+        `ValueError` for what JSON cannot name (an assistant model, a prefix store, a compressor object of one's
+        own, a compressor_kwargs value that is not plain JSON)."""
+        from .compressors.naming import is_plain, spec_to_json
+
         if self.proposer not in (None, "prompt_lookup"):
             raise ValueError(
                 "A VeriCacheConfig whose proposer is an assistant model cannot be saved in a generation config; "
@@ -206,9 +227,18 @@ class VeriCacheConfig:
                 "A VeriCacheConfig with a prefix_store cannot be saved in a generation config (a store is a live "
                 "connection); save it with prefix_store=None and pass the store in the config at generate time."
             )
-        data = asdict(replace(self, stats=None, timeline=None))  # live objects: not copied, not saved
-        data.pop("stats")
-        data.pop("timeline")
-        if not isinstance(self.compressor, str):
-            data["compressor"] = repr(self.compressor)
+        if not is_plain(self.compressor_kwargs):
+            raise ValueError(
+                f"compressor_kwargs {self.compressor_kwargs!r} cannot be saved in a generation config: every value "
+                "must be plain JSON (numbers, strings, booleans, None, lists). Save plain values, or pass "
+                "vericache_config= to each generate call instead."
+            )
+        data = {
+            item.name: getattr(self, item.name)
+            for item in fields(self)
+            if item.name not in ("stats", "timeline")
+        }  # stats and timeline are live objects of the caller's: not saved
+        data["compressor"] = spec_to_json(self.compressor)
+        data["compressor_kwargs"] = dict(self.compressor_kwargs)
+        data["refresh"] = self.refresh.to_dict() if self.refresh is not None else None
         return data

@@ -37,8 +37,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from ._threads import waiting
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
-from .background import release_workers
 from .cache.transfer import TransferEngine
 from .checks import check_int
 from .cohort import CohortPool, own_stream
@@ -200,7 +200,7 @@ class VeriCacheEngine:
                 worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self._cohorts is not None:
                 self._cohorts.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            self._transfers.cancel()
+            self._transfers.close()
 
     def __enter__(self) -> VeriCacheEngine:
         return self.start()
@@ -281,7 +281,7 @@ class VeriCacheEngine:
 
         As in transformers, a result is handed out once: the engine then forgets the request, so a long-running
         engine holds only the requests whose results nobody has taken yet."""
-        release_workers()  # the caller's OpenMP team sits idle while the workers decode
+        waiting(self.model.device)  # the caller's OpenMP team sits idle while the workers decode
         if request_id is not None:
             request = self._request(request_id)
             with request.changed:
@@ -310,7 +310,7 @@ class VeriCacheEngine:
         request = self._request(request_id)
         seen = -1
         while True:
-            release_workers()  # the caller's OpenMP team sits idle while the workers decode
+            waiting(self.model.device)  # the caller's OpenMP team sits idle while the workers decode
             with request.changed:
                 arrived = request.changed.wait_for(
                     lambda seen=seen: (
@@ -342,7 +342,7 @@ class VeriCacheEngine:
         # (an event on the worker's stream) then holds back only its own request, not another's draft steps.
         with own_stream(self.model.device):
             while True:
-                release_workers()  # this worker's OpenMP team, idle until a request comes
+                waiting(self.model.device)  # this worker's OpenMP team, idle until a request comes
                 request = self._pending.get()
                 if request is _STOP:
                     return

@@ -450,9 +450,9 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
         rescore_draft_tier(cache, turn.captured, int(positions[0]) + pending.shape[-1], pending.shape[-1])
     if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
         cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
-    if cache.refresh_policy is not None and cache.draft_tier_held:
+    if cache.refresh_clock is not None and cache.draft_tier_held:
         mean_accepted = sum(accepted[b] for b in active) / len(active) if drafted else None
-        cache.refresh_policy.after_commit(cache, int(counts.max()), mean_accepted)
+        cache.refresh_clock.after_commit(cache, int(counts.max()), mean_accepted)
     index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])
     state.pending = tokens.gather(1, index[:, None].to(tokens.device))[:, 0]
     state.positions = positions + counts.to(positions.device)

@@ -10,6 +10,7 @@ continuous batching) is wrapped the same way and routed to `vericache_hf.generat
 from __future__ import annotations
 
 import functools
+import json
 
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
@@ -130,14 +131,37 @@ setattr(generate_batch_with_modes, STOCK_ATTRIBUTE, _stock_generate_batch)
 def set_default_mode(model, vericache_config=None) -> None:
     """Make VeriCache the model's default decoding, saved by `save_pretrained` with its generation config.
 
-    A generation config made from a model config (`_from_model_config`) drops custom attributes on reload, so that
-    flag is cleared here.
+    The config is saved as JSON, so everything in it must be nameable: a compressor object of one's own (or an
+    assistant model, a prefix store) is refused with a `ValueError` before anything is changed. A generation config
+    made from a model config (`_from_model_config`) drops custom attributes on reload, so that flag is cleared here.
     """
+    saved = None
+    if vericache_config is not None:
+        saved = _saved_form(VeriCacheConfig.from_any(vericache_config))
     config = model.generation_config
     config.generation_mode = MODE
-    if vericache_config is not None:
-        config.vericache_config = VeriCacheConfig.from_any(vericache_config).to_dict()
+    if saved is not None:
+        config.vericache_config = saved
     config._from_model_config = False
+
+
+def _saved_form(vericache_config: VeriCacheConfig) -> dict:
+    """The config as the JSON a generation config saves, checked to read back into the same config, so that no
+    later `generate` on the model meets a saved config it refuses."""
+    saved = json.loads(json.dumps(vericache_config.to_dict()))
+    try:
+        again = VeriCacheConfig.from_any(saved).to_dict()
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"This VeriCacheConfig cannot be saved as the model's default: its saved form is refused when read "
+            f"back ({error}). Pass it as vericache_config= to each generate call instead."
+        ) from error
+    if again != saved:
+        raise ValueError(
+            "This VeriCacheConfig cannot be saved as the model's default: its saved form reads back as a different "
+            "config. Pass it as vericache_config= to each generate call instead."
+        )
+    return saved
 
 
 def register() -> None:

@@ -33,7 +33,8 @@ class VeriCacheStats:
     needs it, not at prefill, and plain rounds for a long while free it (`draft_tier_frees`); each build from the
     full tier counts in `draft_tier_builds`, its time in `compress_seconds`. A build the schedule priced from its
     first two layers and found dearer than drafting could ever save is declined (`draft_tier_builds_declined`;
-    their time is in `compress_seconds` too) and the rounds stay plain. `commit_seconds` is the time spent
+    their time is in `compress_seconds` too) and the rounds stay plain. A `RefreshPolicy` rebuilt it
+    `draft_tier_refreshes` times in `refresh_seconds`. `commit_seconds` is the time spent
     writing accepted tokens into the tiers, `plain_round_seconds` the part of draft and verify time spent in rounds
     that drafted nothing.
 
@@ -79,6 +80,8 @@ class VeriCacheStats:
     draft_tier_frees: int = 0
     draft_tier_builds: int = 0
     draft_tier_builds_declined: int = 0
+    draft_tier_refreshes: int = 0
+    refresh_seconds: float = 0.0
     commit_seconds: float = 0.0
     plain_round_seconds: float = 0.0
     accepted_per_round: list[float] = field(default_factory=list)

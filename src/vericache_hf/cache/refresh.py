@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ..checks import check_int
 from .compressor import CompressionContext, Compressor
@@ -100,9 +100,10 @@ def compress_prompt(cache, layer, context: CompressionContext, prompt_length: in
     return seconds
 
 
-@dataclass
+@dataclass(frozen=True)
 class RefreshPolicy:
-    """When to rebuild the draft tier from the full tier.
+    """When to rebuild the draft tier from the full tier. Plain settings, shared by every call that uses the
+    config: each cache counts for itself in its own `RefreshClock`.
 
     Parameters:
         every_tokens: refresh after this many tokens were committed since the last refresh (None: never by count).
@@ -114,10 +115,6 @@ class RefreshPolicy:
     every_tokens: int | None = None
     min_accepted: float | None = None
     window_rounds: int = 4
-    refreshes: int = field(default=0, init=False)
-    refresh_seconds: float = field(default=0.0, init=False)
-    _since: int = field(default=0, init=False, repr=False)
-    _recent: deque = field(default_factory=deque, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.every_tokens is None and self.min_accepted is None:
@@ -125,36 +122,54 @@ class RefreshPolicy:
         if self.every_tokens is not None:
             check_int("every_tokens", self.every_tokens)
         if self.min_accepted is not None and (
-            not isinstance(self.min_accepted, (int, float)) or self.min_accepted < 0
+            isinstance(self.min_accepted, bool)
+            or not isinstance(self.min_accepted, (int, float))
+            or not self.min_accepted >= 0
         ):
             raise ValueError(f"min_accepted must be a non-negative number, got {self.min_accepted!r}.")
         check_int("window_rounds", self.window_rounds)
 
+    def to_dict(self) -> dict:
+        """The settings as a JSON-friendly dict; `RefreshPolicy(**d)` reads it back."""
+        return asdict(self)
+
+
+@dataclass
+class RefreshClock:
+    """One cache's count towards its `policy`: tokens committed since the last refresh and the recent rounds'
+    mean accepted drafts."""
+
+    policy: RefreshPolicy
+    since: int = 0
+    recent: deque = field(default_factory=deque)
+
     def due(self, committed: int, mean_accepted: float | None) -> bool:
         """Record a round (tokens committed, mean accepted drafts, None for a round that drafted nothing); True
         when a refresh is due."""
-        self._since += committed
+        policy = self.policy
+        self.since += committed
         if mean_accepted is not None:
-            self._recent.append(mean_accepted)
-        while len(self._recent) > self.window_rounds:
-            self._recent.popleft()
-        if self.every_tokens is not None and self._since >= self.every_tokens:
+            self.recent.append(mean_accepted)
+        while len(self.recent) > policy.window_rounds:
+            self.recent.popleft()
+        if policy.every_tokens is not None and self.since >= policy.every_tokens:
             return True
-        full_window = len(self._recent) == self.window_rounds
+        full_window = len(self.recent) == policy.window_rounds
         return (
-            self.min_accepted is not None
+            policy.min_accepted is not None
             and full_window
-            and sum(self._recent) / len(self._recent) < self.min_accepted
+            and sum(self.recent) / len(self.recent) < policy.min_accepted
         )
 
     def after_commit(self, cache, committed: int, mean_accepted: float | None) -> bool:
-        """The loop's hook: call after `cache.commit`; refreshes when due. Returns whether it refreshed."""
+        """The loop's hook: call after `cache.commit`; refreshes when due, counted in the cache's stats. Returns
+        whether it refreshed."""
         if not self.due(committed, mean_accepted):
             return False
         started = time.perf_counter()
         refresh_draft_tier(cache)
-        self.refresh_seconds += time.perf_counter() - started
-        self.refreshes += 1
-        self._since = 0
-        self._recent.clear()
+        cache.stats.refresh_seconds += time.perf_counter() - started
+        cache.stats.draft_tier_refreshes += 1
+        self.since = 0
+        self.recent.clear()
         return True

@@ -158,5 +158,6 @@ def _rebuilt(
         layer.lazy_initialization(like, like)
         layer.full.append(*full[i])
         layer.draft = drafts[i] if drafts is not None else None
+    cache.refresh_clock = template.refresh_clock  # the rows' count towards a refresh goes on
     cache.rows_changed(valid)
     return cache

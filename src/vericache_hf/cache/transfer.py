@@ -8,9 +8,11 @@ so the host never blocks on the copy. On a CPU-only machine the same path runs w
 tested here (a cache whose layers live on the CPU reads its full tier in place and needs no engine).
 
 Life of a transfer: backlog -> queued (holds a slot) -> copying -> ready -> released (slot free again); or failed /
-cancelled. The worker starts on demand and exits when its queue is empty, so an idle engine holds no thread.
-Every wait has a timeout, and an error in the worker fails the transfer (and the rest of its group) and is raised
-in the caller's `wait`.
+cancelled. The worker starts with the first transfer and waits for the next one between verify passes, so a round
+starts no thread; it stops when the engine is closed (a cache closes its own engine when released) or garbage-collected,
+and a later `submit` starts another. It holds its engine only while it copies, so an engine nobody holds is
+collected. Every wait has a timeout, and an error in the worker fails the transfer (and the rest of its group) and is
+raised in the caller's `wait`.
 
 Each copy is recorded in `timeline`, when one is given, on the track of the thread that queued it.
 `link_bytes_per_s` emulates a slower link, for study on a machine without one (benchmarks only, never on by
@@ -22,20 +24,22 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..background import run_ops_alone
+from .._threads import in_background
 from ..checks import check_seconds
 from ..timeline import Timeline
 from .full_tier import HostKVStore, HostSnapshot
 from .staging import StagingBuffers
 
 _ALL = object()
-WORKER_THREAD_NAME = "vericache-transfer"  # one per engine while it has copies to make
+_IDLE_CHECK_SECONDS = 5.0  # an idle worker looks again this often, should a wake-up ever be missed
+WORKER_THREAD_NAME = "vericache-transfer"  # one per engine, from its first transfer until it is closed
 
 
 class TransferError(RuntimeError):
@@ -124,6 +128,8 @@ class TransferEngine:
         self.timeline = timeline
         self._held: Counter[int] = Counter()  # slots each group holds, by id(group)
         self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)  # the worker waits on it for transfers, or to stop
+        self._stop: threading.Event | None = None  # the running worker's
         self._backlog: deque[LayerTransfer] = deque()
         self._queue: deque[LayerTransfer] = deque()
         self._thread: threading.Thread | None = None
@@ -183,7 +189,6 @@ class TransferEngine:
             )
         transfer.waited += time.perf_counter() - started
         if transfer.error is not None:
-            self._join_idle_worker()
             if isinstance(transfer.error, TransferError):
                 raise transfer.error
             raise TransferError(
@@ -241,9 +246,26 @@ class TransferEngine:
             self._dispatch()
 
     def close(self) -> None:
-        """Cancel what is pending and wait for the worker to exit."""
+        """Cancel what is pending and stop the worker (a later `submit` starts another)."""
         self.cancel()
-        self._join_idle_worker()
+        self.stop_worker()
+
+    def stop_worker(self) -> None:
+        """Stop the worker once its copy in progress is done and wait for it to exit; what is still queued, and any
+        later `submit`, gets a new one. Raises `TransferError` if it does not exit within the timeout."""
+        with self._lock:
+            thread, stop = self._thread, self._stop
+            self._thread = self._stop = None
+            if stop is not None:
+                stop.set()
+                self._wake.notify_all()
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise TransferError(f"the transfer worker did not stop within {self.timeout:.0f} s.")
+        with self._lock:
+            self._dispatch()  # another cache's transfers queued meanwhile get a new worker
 
     @property
     def worker_alive(self) -> bool:
@@ -294,39 +316,52 @@ class TransferEngine:
                 transfer.capacity,
             )
             self._queue.append(transfer)
-        if self._queue and self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=WORKER_THREAD_NAME, daemon=True)
+        if not self._queue:
+            return
+        if self._thread is None or not self._thread.is_alive():
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=_serve,
+                args=(weakref.ref(self), self._wake, self._stop),
+                name=WORKER_THREAD_NAME,
+                daemon=True,
+            )
             self._last_thread = self._thread
+            weakref.finalize(self, _stop, self._wake, self._stop)
             self._thread.start()
+        else:
+            self._wake.notify_all()
 
-    def _work(self) -> None:
-        run_ops_alone()
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._thread = None
-                    return
-                transfer = self._queue.popleft()
-                transfer.state = "copying"
-                freed = self._free_events.pop(transfer.slot, None)
-            try:
-                started = time.perf_counter()
-                with torch.inference_mode(transfer.inference_mode):
-                    self._copy(transfer, freed)
-                if self.link_bytes_per_s is not None:  # an emulated link: the copy takes its time there
-                    self._emulate_link(transfer, started)
-            except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
-                self._fail(transfer, error)
-                continue
-            transfer.state = "ready"
-            transfer.done.set()
-            if "end" in transfer.events:
-                transfer.events["end"].synchronize()  # the worker blocks on the copy, never the consumer
-                transfer.seconds = transfer.events["start"].elapsed_time(transfer.events["end"]) / 1000
-            if self.timeline is not None:  # on CUDA the copy ended at about the time its end event was seen
-                ended = time.perf_counter()
-                self.timeline.add("transfer", ended - transfer.seconds, ended, transfer.track)
-            transfer.timed.set()
+    def _next(self) -> tuple[LayerTransfer, Any] | None:
+        """The next queued transfer, marked as copying, and the event its slot's last reader recorded; None when
+        nothing is queued. Call with the lock held."""
+        if not self._queue:
+            return None
+        transfer = self._queue.popleft()
+        transfer.state = "copying"
+        return transfer, self._free_events.pop(transfer.slot, None)
+
+    def _work(self, transfer: LayerTransfer, freed: Any) -> None:
+        """Copy one transfer on the worker thread; an error fails it and is raised in the consumer's `wait`."""
+        in_background(transfer.device)
+        try:
+            started = time.perf_counter()
+            with torch.inference_mode(transfer.inference_mode):
+                self._copy(transfer, freed)
+            if self.link_bytes_per_s is not None:  # an emulated link: the copy takes its time there
+                self._emulate_link(transfer, started)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            self._fail(transfer, error)
+            return
+        transfer.state = "ready"
+        transfer.done.set()
+        if "end" in transfer.events:
+            transfer.events["end"].synchronize()  # the worker blocks on the copy, never the consumer
+            transfer.seconds = transfer.events["start"].elapsed_time(transfer.events["end"]) / 1000
+        if self.timeline is not None:  # on CUDA the copy ended at about the time its end event was seen
+            ended = time.perf_counter()
+            self.timeline.add("transfer", ended - transfer.seconds, ended, transfer.track)
+        transfer.timed.set()
 
     def _emulate_link(self, transfer: LayerTransfer, started: float) -> None:
         """Sleep until the copy begun at `started` has taken what its bytes take on the emulated link."""
@@ -375,13 +410,29 @@ class TransferEngine:
                     )
             self._dispatch()
 
-    def _join_idle_worker(self) -> None:
-        thread = self._last_thread
-        if thread is None or thread is threading.current_thread():
-            return
-        with self._lock:
-            busy = bool(self._queue)
-        if not busy:
-            thread.join(self.timeout)
-            if thread.is_alive():
-                raise TransferError(f"the transfer worker did not stop within {self.timeout:.0f} s.")
+
+def _serve(engine_ref: weakref.ref, wake: threading.Condition, stop: threading.Event) -> None:
+    """The worker thread: copy the engine's queued transfers in order and wait for more, until `stop` is set or
+    the engine is collected. It holds the engine only while it copies."""
+    while True:
+        with wake:
+            while True:
+                engine = engine_ref() if not stop.is_set() else None
+                if engine is None:
+                    return
+                work = engine._next()
+                if work is not None:
+                    break
+                engine = None  # not held while waiting: an engine nobody else holds is collected
+                if stop.is_set() or engine_ref() is None:  # dropping it may have collected it, on this thread
+                    return
+                wake.wait(_IDLE_CHECK_SECONDS)
+        engine._work(*work)
+        engine = work = None
+
+
+def _stop(wake: threading.Condition, stop: threading.Event) -> None:
+    """Stop a worker whose engine was collected (it then finds no engine and exits)."""
+    stop.set()
+    with wake:
+        wake.notify_all()

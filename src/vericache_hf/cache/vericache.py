@@ -43,7 +43,7 @@ from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
-from .refresh import RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
+from .refresh import RefreshClock, RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
 from .staging import buffer_tokens
 from .transfer import LayerTransfer, TransferEngine
 
@@ -218,6 +218,8 @@ class VeriCache(Cache):
         if refresh_policy is not None:
             check_refreshable(compressor)
         self.refresh_policy = refresh_policy
+        # this cache's own count towards the policy: one config may serve many calls at once
+        self.refresh_clock = RefreshClock(refresh_policy) if refresh_policy is not None else None
         self.compressor = compressor
         self.chunk_tokens = chunk_tokens
         self.stage_on_cpu = stage_on_cpu
@@ -227,6 +229,7 @@ class VeriCache(Cache):
             if transfers is not None
             else TransferEngine(staging_buffers, transfer_timeout, link_bytes_per_s, timeline=timeline)
         )
+        self._owns_transfers = transfers is None  # its own engine's worker lives as long as the cache
         self.phase = "idle"
         self.prompt_valid: torch.Tensor | None = None
         self.full_valid: torch.Tensor | None = None
@@ -723,9 +726,12 @@ class VeriCache(Cache):
         self._round, self._staged, self._streamed = None, [], set()
 
     def close(self) -> None:
-        """Drop pending transfers (the cache stays readable); a private engine's worker then exits."""
+        """Drop pending transfers and stop a private engine's worker (the cache stays readable: a later transfer
+        starts another)."""
         self.end_round()
         self.transfers.cancel(self)
+        if self._owns_transfers:
+            self.transfers.stop_worker()
         self._held.clear()
 
     def _stale(self) -> bool:

@@ -18,6 +18,7 @@ from .hqq import HQQCompressor
 from .kivi import KIVICompressor
 from .knorm import KnormCompressor
 from .kvpress_adapter import KVPressCompressor, is_press
+from .naming import spec_from_json, spec_to_json
 from .quantized import Codec, QuantizedCompressor, QuantizedStore
 from .quanto import QuantoCompressor
 from .snapkv import SnapKVCompressor
@@ -118,7 +119,9 @@ def build_compressor(
     (wrapped) or a list of any of these (composed, in order; a budget goes to the token-dropping stages given by
     name, so `["snapkv", "kivi"]` drops to the budget, then quantizes at the ratio's bit width).
 
-    The spec is checked by `check_compressor_spec`, the rules `VeriCacheConfig` applies when it is made."""
+    A dict names a compressor or press by its settings (`naming.py`). The spec is checked by
+    `check_compressor_spec`, the rules `VeriCacheConfig` applies when it is made."""
+    compressor = spec_from_json(compressor)
     check_compressor_spec(compressor, budget, kwargs)
     if isinstance(compressor, (list, tuple)):
         return ComposedCompressor(
@@ -163,4 +166,6 @@ __all__ = [
     "available_compressors",
     "build_compressor",
     "check_compressor_spec",
+    "spec_from_json",
+    "spec_to_json",
 ]

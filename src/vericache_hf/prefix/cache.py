@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..background import run_ops_alone
+from .._threads import in_background
 from ..checks import check_int
 from .codec import decode_chunk, encode_chunk, refuse
 from .keys import KVFingerprint, check_tier, chunk_hashes, tier_key, token_ids_1d
@@ -216,7 +216,7 @@ class _ReadAhead:
         self._thread.start()
 
     def _run(self, read: Callable[..., list[bytes | None]], args: tuple) -> None:
-        run_ops_alone()
+        in_background()  # reads for a loader, which decides by its own device whether it runs alone
         try:
             self._value = read(*args)
         except BaseException as error:  # raised again by result()

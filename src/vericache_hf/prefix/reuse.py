@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache
 
-from ..background import run_ops_alone
+from .._threads import in_background
 from ..cache.compressor import Compressor
 from ..cache.vericache import VeriCache
 from ..compat import cache_kwargs
@@ -146,7 +146,7 @@ class PrefixReuse:
     def _load_full_tier(self, cache: VeriCache, prefix_ids: torch.Tensor) -> None:
         """The loader thread: append each layer's prefix to its host full tier as it arrives, layer by layer, and
         tell the cache, so that a verify pass can run behind the load."""
-        run_ops_alone()
+        in_background(self.model.get_input_embeddings().weight.device)
         length, rows = prefix_ids.shape[-1], prefix_ids.shape[0]
         # this thread's own CPU time: what the load takes from drafting on a small CPU
         cpu_started = time.thread_time()
@@ -275,7 +275,10 @@ class PrefixReuse:
             state.update({f"layer.{i}.{name}": _narrow(t[:1]) for name, t in layer.draft.export().items()})
         ids = prefix_ids[0].detach().cpu()
 
+        device = cache.layers[0].device
+
         def job() -> None:
+            in_background(device)  # the store's writer thread
             self.prefixes.save(ids, full, self.full_print)
             self.prefixes.save_state(ids, state, self.draft_print, "draft")
 

@@ -13,7 +13,6 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from ..background import run_ops_alone
 from .store import PrefixStore
 
 __all__ = ["flush", "write_behind"]
@@ -27,9 +26,7 @@ _writers: weakref.WeakKeyDictionary[PrefixStore, tuple[ThreadPoolExecutor, set[F
 def _writer(store: PrefixStore) -> tuple[ThreadPoolExecutor, set[Future]]:
     with _lock:
         if store not in _writers:
-            executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="vericache-prefix-writer", initializer=run_ops_alone
-            )
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-prefix-writer")
             _writers[store] = (executor, set())
         return _writers[store]
 

@@ -18,7 +18,7 @@ alone, faster. Only ratios between the calls mean anything.
 Each call runs on its own thread, and each such thread (and the main one, which loaded the model) would keep an
 OpenMP team while it waits: more teams' threads than cores, and libgomp stops spinning between parallel ops in every
 team, which slowed a batch-4 draft step by half (82-86 ms against 53-60) and a full-cache step by a quarter, so a
-paired run understated VeriCache (`vericache_hf.background`). So a thread gives its team back before it waits for the
+paired run understated VeriCache (`vericache_hf._threads`). So a thread gives its team back before it waits for the
 turn (`release_workers`), as does the main thread before the calls start: only the running call holds a team, as a
 call on the main thread alone does.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from vericache_hf.background import release_workers
+from vericache_hf import release_workers
 from vericache_hf.pass_model import attention_layers, pass_model
 
 from .methods import Generation, Method
