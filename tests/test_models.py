@@ -38,4 +38,3 @@ def test_every_family_is_exact_or_refused_up_front(family):
 
 def test_the_table_lists_every_family_of_this_transformers():
     assert set(documented()) == set(families())
-

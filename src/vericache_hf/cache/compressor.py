@@ -64,6 +64,12 @@ class Compressor(ABC):
     #: True when `compress` also reads the layer's input (`context.hidden_states`, `context.attention_kwargs`).
     reads_layer_inputs: ClassVar[bool] = False
 
+    def check_layer(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> None:
+        """Raise, at the prefill, what `compress` would raise on this model, when the draft tier itself is built
+        later (after the first token): a compressor that runs code it cannot vouch for on every family overrides
+        it. Most compressors' `compress` cannot fail on a layer it was given, so this does nothing."""
+        return None
+
     @abstractmethod
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         """Turn (B, H_kv, T, D) keys/values into this layer's draft tier."""

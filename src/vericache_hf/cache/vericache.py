@@ -319,6 +319,10 @@ class VeriCache(Cache):
         """A prefill layer's queries arrived: compress its prompt K/V now, or hold them for `build_draft_tier`."""
         layer = self.layers[context.layer_idx]
         if self.defers_compression(layer):
+            if context.layer_idx == 0 and layer.prompt_kv is not None:
+                self.compressor.check_layer(
+                    *layer.prompt_kv, context
+                )  # a refusal comes before the first token
             layer.prompt_kv = None
             self._held[context.layer_idx] = context.detached()
         else:

@@ -132,7 +132,14 @@ class KVPressCompressor(Compressor):
         module, hidden, kwargs = context.module, context.hidden_states, self._press_kwargs(context)
         added = not hasattr(module, "rotary_emb")
         if added:  # ExpectedAttention and KeyRerotation read it, as kvpress's own context manager sets it
-            module.rotary_emb = context.model.model.rotary_emb
+            rotary = getattr(getattr(context.model, "model", None), "rotary_emb", None)
+            if rotary is None:
+                raise ValueError(
+                    f"kvpress {type(self.press).__name__} needs the model's rotary embedding at model.model.rotary_emb, "
+                    f"which {type(context.model).__name__} does not have. Use a compressor of this library "
+                    "(snapkv, h2o, knorm, streaming_llm, kivi, ...) with this model."
+                )
+            module.rotary_emb = rotary
         try:
             press = self.press
             ratios = getattr(press, "compression_ratios", None)
@@ -164,6 +171,11 @@ class KVPressCompressor(Compressor):
         if self.budget is not None:
             return min(length, self.budget)
         return max(1, int(length * (1 - self.press.compression_ratio)))  # kvpress's compute_n_kept
+
+    def check_layer(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> None:
+        """kvpress re-derives what it scores with from the layer's modules, which not every family has: run the
+        press on the first layer at the prefill, so that a family it cannot score is refused before any token."""
+        self.compress(keys, values, context)
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> DraftStore:
         return self._finish(self._layer(keys, values, context), context)

@@ -1,0 +1,76 @@
+"""Every compressor family on the layer kinds that break query re-derivation: sliding windows with soft-capping
+(Gemma 2), partial rotary (Phi, StableLM), q/k norms (OLMo 2), fused projections (GPT-NeoX), attention sinks
+(GPT-OSS) and latent attention (DeepSeek V3). Each is exact against stock `generate` on a ragged left-padded batch,
+or refused with a ValueError before the first token, never mid-decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vericache_hf
+from vericache_tools.families import NEW_TOKENS, prompts, tiny_model
+
+FAMILIES = ["gemma2", "phi", "stablelm", "olmo2", "gpt_neox", "gpt_oss", "deepseek_v3"]
+
+
+def compressors() -> dict:
+    found = {
+        "streaming_llm": "streaming_llm",
+        "snapkv": "snapkv",
+        "h2o": "h2o",
+        "knorm": "knorm",
+        "kivi": "kivi",
+    }
+    try:
+        from vericache_hf.compressors.kvpress_adapter import import_kvpress
+
+        found["kvpress SnapKVPress"] = import_kvpress().SnapKVPress(compression_ratio=0.5, window_size=8)
+    except ImportError:
+        pass
+    return found
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.puts = 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_compressor_is_exact_or_refused_up_front(family):
+    torch.set_num_threads(1)
+    model = tiny_model(family)
+    dtype = torch.float32 if family in ("gpt_oss", "deepseek_v3") else torch.float64  # grouped MoE matmuls
+    model = model.to(dtype)
+    expected = model.generate(
+        **prompts(3), do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS
+    )
+    served = 0
+    for name, compressor in compressors().items():
+        config = vericache_hf.VeriCacheConfig(
+            compressor=compressor, compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
+        )
+        kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        streamer = Counting()
+        try:
+            model.generate(
+                **prompts(1),
+                generation_mode="vericache",
+                vericache_config=config,
+                streamer=streamer,
+                **kwargs,
+            )
+        except ValueError as error:
+            assert streamer.puts <= 1, f"{name} on {family} refused after decoding began: {error}"
+            continue
+        got = model.generate(**prompts(3), generation_mode="vericache", vericache_config=config, **kwargs)
+        assert torch.equal(got, expected), f"{name} on {family} differs from stock generate"
+        served += 1
+    assert served >= 3, f"only {served} compressors serve {family}"
