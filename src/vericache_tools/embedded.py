@@ -25,7 +25,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-__all__ = ["MODEL_SUBDIR", "default_cache_dir", "embedded_gguf_path", "load_embedded_model"]
+__all__ = [
+    "MODEL_SUBDIR",
+    "default_cache_dir",
+    "embedded_gguf_path",
+    "embedded_model_dir",
+    "load_embedded_model",
+]
 
 #: Subfolder of the cache dir that holds the fp32 copy.
 MODEL_SUBDIR = "smollm2-135m-instruct"
@@ -140,6 +146,16 @@ def _configure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> No
     )
 
 
+def embedded_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The embedded model's HF-format folder (what `from_pretrained` and `transformers serve` take), converted from
+    the GGUF on first use (about 14 s) and cached under ``cache_dir`` (default: see :func:`default_cache_dir`)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    model_dir = root / MODEL_SUBDIR
+    if not _is_complete(model_dir):
+        _build_cache(model_dir)
+    return model_dir
+
+
 def load_embedded_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: str | os.PathLike | None = None,
@@ -152,11 +168,7 @@ def load_embedded_model(
     copy. The model is in eval mode, cast to ``dtype``, with greedy generation as the default, a pad token set
     (eos) and left padding. Nothing is fetched from the Hub.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    model_dir = root / MODEL_SUBDIR
-    if not _is_complete(model_dir):
-        _build_cache(model_dir)
-
+    model_dir = embedded_model_dir(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
