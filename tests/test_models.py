@@ -10,23 +10,31 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from vericache_tools.families import families, judge
+from vericache_tools.families import families, judge_all
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
 def documented() -> dict[str, str]:
-    rows = re.findall(r"^\| ([\w.-]+) \| [^|]* \| [^|]* \| (\w+) \|", TABLE.read_text(), flags=re.M)
+    rows = re.findall(
+        r"^\| ([\w.-]+) \| [^|]* \| [^|]* \| (exact|refused|out|differs|crashes) \|",
+        TABLE.read_text(),
+        flags=re.M,
+    )
     return dict(rows)
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    """Every family judged once, side by side on the cores (`judge_all`)."""
+    return {verdict.family: verdict for verdict in judge_all(families())}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", families())
-def test_every_family_is_exact_or_refused_up_front(family):
-    torch.set_num_threads(1)
-    verdict = judge(family)
+def test_every_family_is_exact_or_refused_up_front(family, verdicts):
+    verdict = verdicts[family]
     assert verdict.verdict in ("exact", "refused", "out"), f"{family}: {verdict.verdict}: {verdict.reason}"
     assert documented().get(family) == verdict.verdict, (
         f"docs/models.md says {documented().get(family)!r} for {family}, the matrix finds {verdict.verdict!r}: "

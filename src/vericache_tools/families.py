@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import multiprocessing
+import os
 import platform
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -266,6 +269,22 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _judge_alone(family: str) -> Verdict:
+    torch.set_num_threads(1)  # tiny models: one thread each, one family per core
+    return judge(family)
+
+
+def judge_all(names: list[str], processes: int | None = None) -> Iterator[Verdict]:
+    """Each family's verdict, in order, judged in `processes` worker processes (one per core by default): the
+    tiny models run on one thread, so families judged side by side take the cores a single one cannot use."""
+    processes = processes or max(1, min(len(os.sched_getaffinity(0)), 8))
+    if processes == 1:
+        yield from map(_judge_alone, names)
+        return
+    with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=8) as pool:
+        yield from pool.imap(_judge_alone, names)
+
+
 def render(verdicts: list[Verdict]) -> str:
     matrix = [v for v in verdicts if v.verdict != "out"]
     counts = {
@@ -298,11 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="families to judge (all by default)")
     parser.add_argument("--write", type=Path, help="write the table to this markdown file")
+    parser.add_argument("--processes", type=int, help="families judged at once (one per core by default)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     verdicts = []
-    for family in args.families or families():
-        verdict = judge(family)
+    for verdict in judge_all(args.families or families(), args.processes):
         print(
             f"{verdict.family:28s} {verdict.verdict:8s} {verdict.dtype:8s} {verdict.layer_kinds:40s} {verdict.reason}"
         )
