@@ -32,7 +32,7 @@ from .prefix.writer import flush
 from .proposal_length import ProposalLength
 from .proposers import build_proposer
 from .stats import VeriCacheStats
-from .validation import check_generation, check_model
+from .validation import check_generation, check_model, check_prompt_inputs
 
 
 @dataclass
@@ -89,6 +89,7 @@ def generate(
     config = resolve_config(vericache_config, generation_config)
     check_model(model)
     check_generation(model, input_ids, generation_config, model_kwargs)
+    prompt_inputs = check_prompt_inputs(model, model_kwargs, config, vericache_cohorts)
     streamer = vericache_streamer if vericache_streamer is not None else streamer
     runner = pass_model(
         model
@@ -115,6 +116,7 @@ def generate(
         prefix=_prefix_reuse(runner, config, compressor, stats) if config.prefix_store is not None else None,
         shared=vericache_prefixes if config.prefix_store is None else None,
         timeline=config.timeline,
+        prompt_inputs=prompt_inputs,
         drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
     )
     settings = _schedule_key(config, input_ids, proposer)

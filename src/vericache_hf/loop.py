@@ -57,6 +57,7 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
             **cache_kwargs(model, cache),
             use_cache=True,
             logits_to_keep=1,
+            **io.prompt_inputs,
         )
     raw = outputs.logits[:, -1].float()
     scores = process(io, seqs, input_ids[:, :0], raw)

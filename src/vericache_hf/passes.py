@@ -69,6 +69,7 @@ class DecodeIO:
     drafter: torch.nn.Module | None = None  # `draft_dtype`'s copy of the model, for draft-tier passes
     started: float = 0.0  # perf_counter() when decoding started
     failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
+    prompt_inputs: dict = field(default_factory=dict)  # what the prefill alone reads: images and their masks
 
     def of(self, row: int) -> DecodeIO:
         """The io that reports and stops `row`: this one, or in a cohort the row's own request's

@@ -79,3 +79,37 @@ def check_generation(
             f"VeriCache builds its own two-tier cache; a {type(cache).__name__} was passed in past_key_values. "
             "Remove past_key_values (and cache_implementation) from the call."
         )
+
+
+#: `generate` inputs VeriCache reads itself; any other model input belongs to the prompt (images, their masks).
+_DECODING_INPUTS = {
+    "attention_mask",
+    "position_ids",
+    "cache",
+    "past_key_values",
+    "use_cache",
+    "logits_to_keep",
+}
+
+
+def check_prompt_inputs(model, model_kwargs: dict, config, cohorts) -> dict:
+    """The inputs only the prefill reads (a vision-language model's `pixel_values`, `token_type_ids`, ...), passed
+    to it as stock `generate` passes them to its first step. Refused where the prompt would not be the token ids
+    alone: a prefix reused by ids, rows decoded in a shared cohort, or rotary positions the model derives from the
+    images (M-RoPE), which later passes would not see."""
+    inputs = {k: v for k, v in model_kwargs.items() if k not in _DECODING_INPUTS and v is not None}
+    if not inputs:
+        return {}
+    names = sorted(inputs)
+    if config.prefix_store is not None or cohorts is not None:
+        raise ValueError(
+            f"VeriCache reuses and shares prompts by their token ids, but this call also passes {names}. Drop the "
+            "prefix store (or call generate directly rather than through VeriCacheEngine) for inputs beyond ids."
+        )
+    if any(hasattr(module, "get_rope_index") for module in (model, getattr(model, "model", None))):
+        raise ValueError(
+            f"{type(model).__name__} places image tokens with multimodal rotary positions (M-RoPE) that it derives "
+            f"from {names} at the first step; VeriCache's passes give positions of their own, so they would differ "
+            "from stock. Use stock generate() for image inputs with this model, or pass text alone."
+        )
+    return inputs
