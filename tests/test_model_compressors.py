@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vericache_hf
-from vericache_tools.families import NEW_TOKENS, prompts, tiny_model
+from vericache_tools.families import NEW_TOKENS, TokenCounter, prompts, tiny_model
 
 FAMILIES = ["gemma2", "phi", "stablelm", "olmo2", "gpt_neox", "gpt_oss", "deepseek_v3"]
 
@@ -31,17 +31,6 @@ def compressors() -> dict:
     return found
 
 
-class Counting:
-    def __init__(self) -> None:
-        self.puts = 0
-
-    def put(self, value) -> None:
-        self.puts += 1
-
-    def end(self) -> None:
-        pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_compressor_is_exact_or_refused_up_front(family):
@@ -58,7 +47,7 @@ def test_every_compressor_is_exact_or_refused_up_front(family):
             compressor=compressor, compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
         )
         kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        streamer = Counting()
+        streamer = TokenCounter()
         try:
             model.generate(
                 **prompts(1),

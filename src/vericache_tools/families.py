@@ -196,7 +196,7 @@ def _stock(model, inputs) -> torch.Tensor:
     return model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
 
 
-class _Tokens:
+class TokenCounter:
     """A streamer that counts what it is handed: the prompt first, then each generated token."""
 
     def __init__(self) -> None:
@@ -209,7 +209,7 @@ class _Tokens:
         pass
 
 
-def _vericache(model, inputs, streamer: _Tokens | None = None) -> torch.Tensor:
+def _vericache(model, inputs, streamer: TokenCounter | None = None) -> torch.Tensor:
     config = vericache_hf.VeriCacheConfig(
         compressor="snapkv", compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
     )
@@ -248,7 +248,7 @@ def judge(family: str) -> Verdict:
             return Verdict(family, "out", kinds, "", f"stock generate fails: {_first_line(error)}")
     name = str(dtype).removeprefix("torch.")
     for batch, stock in zip((1, 3), expected, strict=True):
-        streamer = _Tokens() if batch == 1 else None  # streamers take batch 1 only
+        streamer = TokenCounter() if batch == 1 else None  # streamers take batch 1 only
         try:
             got = _vericache(model, prompts(batch), streamer)
         except ValueError as error:
