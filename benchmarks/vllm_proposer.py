@@ -15,10 +15,11 @@ plain vLLM's, token for token.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -88,6 +89,23 @@ def method_config(method: str, args) -> dict | None:
     return speculative_config(config)
 
 
+def run_method(method: str, args, model: str, cells: dict, longest: int, out: str) -> None:
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=longest + args.new_tokens + args.max_draft + 8,
+        disable_log_stats=False,
+        speculative_config=method_config(method, args),
+        distributed_executor_backend="uni",
+    )
+    print(method, f"started in {time.perf_counter() - started:.0f} s", flush=True)
+    Path(out).write_text(json.dumps(measure(llm, cells, args.new_tokens)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2 copy)")
@@ -108,7 +126,6 @@ def main() -> None:
     import transformers
     import vllm
     from transformers import AutoTokenizer
-    from vllm import LLM
 
     from vericache_tools.embedded import MODEL_SUBDIR, default_cache_dir
 
@@ -124,23 +141,17 @@ def main() -> None:
     longest = max(len(ids) for batch in cells.values() for ids in batch)
     runs = {}
     for method in args.methods:
-        started = time.perf_counter()
-        llm = LLM(
-            model,
-            dtype=args.dtype,
-            enforce_eager=True,
-            max_model_len=longest + args.new_tokens + args.max_draft + 8,
-            disable_log_stats=False,
-            speculative_config=method_config(method, args),
-            distributed_executor_backend="uni",
-        )
-        print(method, f"started in {time.perf_counter() - started:.0f} s", flush=True)
-        runs[method] = measure(llm, cells, args.new_tokens)
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        # each method in a process of its own: vLLM's CPU build fails to start a third engine in one process
+        part = Path(args.out).with_suffix(f".{method}.json")
+        context = multiprocessing.get_context("spawn")
+        child = context.Process(target=run_method, args=(method, args, model, cells, longest, str(part)))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"the {method} run failed (exit {child.exitcode}); see its output above")
+        runs[method] = json.loads(part.read_text())
     report = {
-        "command": "python benchmarks/vllm_proposer.py " + " ".join(os.sys.argv[1:]),
+        "command": "python benchmarks/vllm_proposer.py " + " ".join(sys.argv[1:]),
         "versions": {
             "vllm": vllm.__version__,
             "torch": torch.__version__,

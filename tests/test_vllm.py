@@ -56,8 +56,9 @@ def test_greedy_output_is_vllms_own(runs):
 def test_drafts_are_accepted_and_states_follow_their_requests(runs):
     stats = runs["stats"]
     assert stats["kept"] > 0, stats
-    # three requests draft; each state is built once and followed to the end, across the batch's reorders
-    assert stats["built"] == 3, stats
+    # four requests build a draft tier (three draft to the end, one fails at its second round), each once: every
+    # state followed its request across the batch's reorders
+    assert stats["built"] == 4, stats
     # vLLM's own K/V built every draft tier: the copy computed only SnapKV's 32-token windows
     assert stats["runner_kv"] and stats["prefilled_tokens"] == 4 * 32, stats
 

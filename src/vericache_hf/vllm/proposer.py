@@ -111,6 +111,7 @@ class VeriCacheProposer:
         model_config = vllm_config.model_config
         self.model_path, self.dtype = model_config.model, model_config.dtype
         self.max_model_len = model_config.max_model_len
+        self.device = str(getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu")
         self.book: DraftBook | None = None
         self.runner_kv: RunnerKV | None = None
         self.prefilled_tokens = 0  # tokens the drafting copy computed to build draft tiers
@@ -124,7 +125,7 @@ class VeriCacheProposer:
 
         dtype = self.dtype if isinstance(self.dtype, torch.dtype) else getattr(torch, str(self.dtype))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
-        model.eval()
+        model.to(self.device).eval()
         config = self.config
         compressor = build_compressor(
             config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
