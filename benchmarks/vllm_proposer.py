@@ -140,6 +140,7 @@ def main() -> None:
                     cells[name] = prompts(tokenizer, kind, length, batch)
     longest = max(len(ids) for batch in cells.values() for ids in batch)
     runs = {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for method in args.methods:
         # each method in a process of its own: vLLM's CPU build fails to start a third engine in one process
         part = Path(args.out).with_suffix(f".{method}.json")
