@@ -1,0 +1,216 @@
+"""Which draft state serves which row, and how long each row drafts: a serving engine hands over rows of tokens,
+not requests, and reorders them as requests finish and join.
+
+A draft state stands for exactly the tokens it was fed (`DraftState.tokens`), so a row may draft on a state only
+when the row's tokens extend the state's: the match is checked token for token, every step. A state that no row
+extends any more (its request finished, or the engine moved it) is never reused; a row that finds none builds a
+new one. Losing track therefore costs a rebuild, never a draft on another request's K/V.
+
+Pacing (pays or stops): each row drafts a length that doubles while its drafts are all kept and halves when most
+are rejected. A row whose kept drafts earn fewer tokens per second of drafting than the batch's plain steps give
+stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each time it fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .draft import DraftState
+
+logger = logging.getLogger(__name__)
+
+KEY_TOKENS = 16  # states are indexed by their first tokens; the full match is checked on top
+FAILED_KEPT = 64  # prefixes of failed rows remembered
+
+
+@dataclass
+class Pacing:
+    """How a row drafts: the engine's most drafts per row, and the rules that change a row's length.
+
+    Parameters:
+        max_length: most tokens drafted per row and step (the engine's `num_speculative_tokens`).
+        first_length: a new row's first draft length, and a probe's.
+        min_length: the shortest length a drafting row falls to before it may stop.
+        min_context: rows with fewer tokens never draft (a short context gains nothing from a compressed one).
+        probe_rounds: rounds a row drafts before pacing may stop it.
+        backoff_steps: steps a stopped row waits before it probes again (doubling per failed probe, up to 64x).
+        idle_steps: a state no row used for this many steps is dropped.
+    """
+
+    max_length: int = 8
+    first_length: int = 4
+    min_length: int = 2
+    min_context: int = 32
+    probe_rounds: int = 3
+    backoff_steps: int = 32
+    idle_steps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_length",
+            "first_length",
+            "min_length",
+            "probe_rounds",
+            "backoff_steps",
+            "idle_steps",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Pacing.{name} must be a positive int, got {value!r}.")
+        self.first_length = min(self.first_length, self.max_length)
+        self.min_length = min(self.min_length, self.first_length)
+
+
+@dataclass
+class Entry:
+    """A state and its row's pacing."""
+
+    state: DraftState
+    length: int
+    last_step: int = 0
+    rounds: int = 0
+    kept_mean: float = 0.0  # drafts kept per round, a running mean over recent rounds
+    resume_step: int = 0  # a stopped row drafts again from this step
+    backoff: int = 0
+
+
+class DraftBook:
+    """Draft states for the rows of a serving engine's batch.
+
+    `build(tokens, row)` makes a state for row `row`'s tokens (all but its newest, which the first round feeds). `propose`
+    is called once per engine step with every row's tokens and returns each row's drafts (maybe none).
+    """
+
+    def __init__(self, build: Callable[[list[int], int], DraftState], pacing: Pacing | None = None) -> None:
+        self.build = build
+        self.pacing = pacing or Pacing()
+        self.entries: dict[tuple[int, ...], list[Entry]] = {}
+        self.step = 0
+        self.draft_step_seconds = 0.0  # running mean of one draft pass (a round's feed pass included)
+        self.engine_step_seconds = (
+            0.0  # running mean of the engine's step (its verify pass), drafting excluded
+        )
+        self.last_return: float | None = None
+        self.failed_rows = 0
+        self.failed: list[list[int]] = []  # token prefixes of rows that failed: they get no drafts
+        self.rounds = self.drafted = self.kept = 0
+
+    def propose(self, rows: Sequence[Sequence[int] | None]) -> list[list[int]]:
+        """Each row's drafts; a row given as None (still in prefill, or at its length limit) gets none."""
+        started = time.perf_counter()
+        if self.last_return is not None:
+            self.engine_step_seconds = _mean(self.engine_step_seconds, started - self.last_return, 0.2)
+        self.step += 1
+        claimed: set[int] = set()
+        active = sum(tokens is not None for tokens in rows)
+        drafts = [
+            [] if tokens is None else self._propose_row(row, list(tokens), active, claimed)
+            for row, tokens in enumerate(rows)
+        ]
+        self._drop_idle()
+        self.last_return = time.perf_counter()
+        return drafts
+
+    def _propose_row(self, row: int, tokens: list[int], rows: int, claimed: set[int]) -> list[int]:
+        if len(tokens) < max(self.pacing.min_context, KEY_TOKENS + 1):
+            return []
+        entry = self._find(tokens, claimed)
+        if entry is None:
+            entry = self._new_entry(row, tokens)
+            if entry is None:
+                return []
+        claimed.add(id(entry))
+        entry.last_step = self.step
+        if entry.state.pending:
+            self._record(entry, entry.state.accepted(tokens), rows)
+            entry.state.pending = []
+        if self.step < entry.resume_step:
+            return []
+        try:
+            started = time.perf_counter()
+            drafts = entry.state.draft(tokens, entry.length)
+            per_pass = (time.perf_counter() - started) / max(1, entry.length)
+            self.draft_step_seconds = _mean(self.draft_step_seconds, per_pass, 0.2)
+        except Exception:
+            logger.exception("drafting failed for a row; it gets no drafts from here on")
+            self._forget(entry)
+            self.failed_rows += 1
+            self.failed = [*self.failed[-(FAILED_KEPT - 1) :], list(entry.state.tokens)]
+            return []
+        self.drafted += len(drafts)
+        return drafts
+
+    def _new_entry(self, row: int, tokens: list[int]) -> Entry | None:
+        if any(tokens[: len(prefix)] == prefix for prefix in self.failed):
+            return None
+        try:
+            state = self.build(tokens[:-1], row)
+        except Exception:
+            logger.exception("building a draft state failed for a row; it gets no drafts")
+            self.failed_rows += 1
+            # remembered, so that a build that fails is not tried again every step for the same request
+            self.failed = [*self.failed[-(FAILED_KEPT - 1) :], tokens[:-1]]
+            return None
+        entry = Entry(state, self.pacing.first_length, last_step=self.step)
+        self.entries.setdefault(tuple(tokens[:KEY_TOKENS]), []).append(entry)
+        return entry
+
+    def _find(self, tokens: list[int], claimed: set[int]) -> Entry | None:
+        """The unclaimed entry with the longest state that the row's tokens extend."""
+        best = None
+        for entry in self.entries.get(tuple(tokens[:KEY_TOKENS]), ()):
+            if id(entry) in claimed or not entry.state.extends(tokens):
+                continue
+            if best is None or len(entry.state.tokens) > len(best.state.tokens):
+                best = entry
+        return best
+
+    def _record(self, entry: Entry, kept: int, rows: int) -> None:
+        """A finished round: adapt the row's length, and stop it when its drafts do not pay."""
+        pacing, length = self.pacing, entry.length
+        self.rounds += 1
+        self.kept += kept
+        entry.rounds += 1
+        entry.kept_mean = kept if entry.rounds == 1 else _mean(entry.kept_mean, kept, 0.3)
+        if kept == length:
+            entry.length = min(pacing.max_length, 2 * length)
+        elif kept < length / 2:
+            entry.length = max(pacing.min_length, length // 2)
+        if entry.rounds >= pacing.probe_rounds and not self._pays(entry, rows):
+            entry.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * entry.backoff))
+            entry.resume_step = self.step + entry.backoff
+            entry.rounds, entry.length = 0, pacing.first_length
+
+    def _pays(self, entry: Entry, rows: int) -> bool:
+        """Whether the row's kept drafts per second of drafting beat the batch's plain tokens per second."""
+        if self.engine_step_seconds <= 0 or self.draft_step_seconds <= 0:
+            return True
+        drafting = entry.length * self.draft_step_seconds
+        return entry.kept_mean / drafting >= rows / self.engine_step_seconds
+
+    def _forget(self, entry: Entry) -> None:
+        for key, entries in list(self.entries.items()):
+            if entry in entries:
+                entries.remove(entry)
+                if not entries:
+                    del self.entries[key]
+
+    def _drop_idle(self) -> None:
+        horizon = self.step - self.pacing.idle_steps
+        for key in list(self.entries):
+            kept = [entry for entry in self.entries[key] if entry.last_step > horizon]
+            if kept:
+                self.entries[key] = kept
+            else:
+                del self.entries[key]
+
+    @property
+    def states(self) -> int:
+        return sum(len(entries) for entries in self.entries.values())
+
+
+def _mean(old: float, new: float, weight: float) -> float:
+    return new if old == 0.0 else (1 - weight) * old + weight * new

@@ -1,0 +1,163 @@
+"""VeriCache as a vLLM proposer, against real vLLM (CPU build) in its own venv, `.venv-vllm`
+(`scripts/setup_vllm.sh`). The checks run there in a subprocess (`tests/vllm_checks/parity.py`), so this process
+never imports vLLM; without that venv they are skipped. The draft book's row tracking is also tested here, on
+the embedded model, without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One run of the checks: vLLM without speculation, then with VeriCache drafting, on the same requests."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh to test the vLLM proposer")
+    from vericache_tools.embedded import MODEL_SUBDIR, default_cache_dir
+
+    if not (default_cache_dir() / MODEL_SUBDIR / "config.json").exists():
+        pytest.skip(
+            "the embedded model's HF folder is missing: run `vericache-hf demo` once (or load_embedded_model)"
+        )
+    out = tmp_path_factory.mktemp("vllm") / "runs.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "tests.vllm_checks.parity", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"the vLLM checks failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def test_greedy_output_is_vllms_own(runs):
+    """Mixed prompt lengths and output lengths (rows finish at different steps and vLLM condenses its batch)."""
+    assert len(set(runs["prompt_lengths"])) == len(runs["prompt_lengths"])
+    assert runs["vericache"] == runs["plain"]
+
+
+def test_drafts_are_accepted_and_states_follow_their_requests(runs):
+    stats = runs["stats"]
+    assert stats["kept"] > 0, stats
+    # four requests build a draft tier (three draft to the end, one fails at its second round), each once: every
+    # state followed its request across the batch's reorders
+    assert stats["built"] == 4, stats
+    # vLLM's own K/V built every draft tier: the copy computed only SnapKV's 32-token windows
+    assert stats["runner_kv"] and stats["prefilled_tokens"] == 4 * 32, stats
+
+
+def test_a_request_failing_in_the_proposer_gets_no_drafts(runs):
+    """One request fails as its draft tier is built, one at its second round: both finish as without drafts."""
+    assert runs["stats"]["failed_rows"] == 2
+    assert runs["vericache"][4:6] == runs["plain"][4:6]
+
+
+def test_sampling_keeps_the_distribution(runs):
+    """The second token after the prompt is the first a draft decides: how often it equals its most common value
+    must agree with vLLM's own sampling (a two-proportion z-test, |z| < 4, so a correct proposer fails it about
+    once in 16,000 runs; one that accepted every greedy draft would not pass)."""
+    plain, drafted = runs["plain_sampled"], runs["vericache_sampled"]
+    seconds = [pair[1] for pair in plain + drafted]
+    common = max(set(seconds), key=seconds.count)
+    p1 = sum(pair[1] == common for pair in plain) / len(plain)
+    p2 = sum(pair[1] == common for pair in drafted) / len(drafted)
+    pooled = (p1 + p2) / 2
+    spread = math.sqrt(max(pooled * (1 - pooled), 1e-9) * 2 / len(plain))
+    assert abs(p1 - p2) / spread < 4, (p1, p2)
+
+
+def test_package_imports_without_vllm():
+    code = "import sys, vericache_hf.vllm; assert 'vllm' not in sys.modules, 'vllm was imported'"
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    )
+
+
+def tiny_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+def test_book_follows_rows_by_their_tokens():
+    """Rows swap places and one is replaced by another request: each row drafts exactly what its own request's
+    state, driven alone, drafts, and a row whose tokens no state stands for gets a new state."""
+    import torch
+
+    from vericache_hf.compressors import build_compressor
+    from vericache_hf.vllm import DraftBook, DraftState, Pacing
+
+    model, compressor = tiny_model(), build_compressor("snapkv", 0.5, window_size=4)
+    built = []
+
+    def build(tokens, row):
+        built.append(list(tokens))
+        return DraftState.build(model, compressor, tokens)
+
+    generator = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randint(0, 96, (40,), generator=generator).tolist() for _ in range(3))
+    alone = {
+        name: DraftState.build(model, compressor, prompt)
+        for name, prompt in zip("abc", (a, b, c), strict=True)
+    }
+    book = DraftBook(build, Pacing(max_length=3, first_length=3, min_length=3, min_context=20))
+    steps = [
+        [("a", a + [1]), ("b", b + [2])],
+        [("b", b + [2, 5, 6]), ("a", a + [1, 7])],  # the engine swapped the rows; each request gained tokens
+        [("b", b + [2, 5, 6, 9]), ("c", c + [3])],  # row 1 now holds a request the book has not seen
+    ]
+    for step in steps:
+        drafts = book.propose([tokens for _, tokens in step])
+        assert drafts == [alone[name].draft(tokens, 3) for name, tokens in step]
+    assert built == [a, b, c]
+
+    # a row whose tokens differ from its state's anywhere (not just at the end) never drafts on that state
+    drafts = book.propose([b[:30] + [0] + b[31:] + [2, 5, 6, 9, 4]])
+    assert len(built) == 4 and built[-1][30] == 0
+
+
+def test_book_stops_a_row_whose_drafts_do_not_pay():
+    """A row whose drafts are all rejected stops drafting after its probe rounds and costs no pass then."""
+    from vericache_hf.compressors import build_compressor
+    from vericache_hf.vllm import DraftBook, DraftState, Pacing
+
+    model, compressor = tiny_model(), build_compressor("streaming_llm", 0.5)
+    book = DraftBook(lambda tokens, row: DraftState.build(model, compressor, tokens), Pacing(min_context=20))
+    tokens = list(range(1, 41))
+    drafted = []
+    for _ in range(12):
+        drafts = book.propose([tokens])[0]
+        drafted.append(len(drafts))
+        # the engine rejects every draft: the next token is never the first draft
+        tokens = tokens + [(drafts[0] + 1) % 96 if drafts else 0]
+    assert drafted[0] > 0 and drafted[-1] == 0, drafted
+    assert book.rounds >= book.pacing.probe_rounds and book.kept == 0
