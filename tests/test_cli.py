@@ -42,7 +42,7 @@ def test_version(capsys):
 
 def test_top_level_help_lists_the_subcommands(capsys):
     text = help_text(capsys)
-    assert "{demo,bench,table}" in text and "--version" in text
+    assert "{demo,bench,table,serve}" in text and "--version" in text
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)
