@@ -21,8 +21,8 @@ from transformers import (
 
 import vericache_hf  # registers generation_mode="vericache"
 from vericache_hf.cache.transfer import WORKER_THREAD_NAME
-from vericache_hf.draft_length import PRIORS
 from vericache_hf.prefix import DiskStore, RedisStore
+from vericache_hf.schedule.draft_length import PRIORS
 from vericache_tools.redis_server import running_redis, server_binary
 
 VOCAB = 96

@@ -9,15 +9,15 @@ from itertools import pairwise
 import pytest
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf.draft_length import (
+from vericache_hf.schedule.draft_length import (
     PRIORS,
     AcceptanceDraftLength,
     CostAwareDraftLength,
     DraftLengthSchedule,
     draft_length_schedule,
 )
-from vericache_hf.measures import AcceptanceCurve, Calibration, RunningLinearFit
-from vericache_hf.proposal_length import ProposalLength, bounding_rows, call_run
+from vericache_hf.schedule.measures import AcceptanceCurve, Calibration, RunningLinearFit
+from vericache_hf.schedule.proposal_length import ProposalLength, bounding_rows, call_run
 
 from .conftest import random_prompt
 

@@ -18,9 +18,9 @@ from vericache_hf.compressors import build_compressor
 from vericache_hf.compressors.h2o import H2OCompressor
 from vericache_hf.compressors.streaming_llm import StreamingLLMCompressor
 from vericache_hf.decoding import _schedule_key
-from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
 from vericache_hf.loop import build_for_drafting
 from vericache_hf.pass_model import pass_model
+from vericache_hf.schedule.draft_length import PRIORS, CostAwareDraftLength
 
 from .conftest import random_prompt, tiny_model
 

@@ -17,20 +17,20 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache.rows import build_carried_tier, can_share_rows
 from .cache.vericache import VeriCache
-from .cohort import Member
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
-from .draft_length import PRIORS, draft_length_schedule
-from .draft_model import draft_model
+from .drafting.draft_model import draft_model
+from .drafting.proposers import build_proposer
+from .handoff import Cohorts, Member
 from .layer_plan import check_compressor, text_config
 from .loop import begin, decode, prefill_prefix, run_round
 from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
-from .proposal_length import ProposalLength
-from .proposers import build_proposer
+from .schedule.draft_length import PRIORS, draft_length_schedule
+from .schedule.proposal_length import ProposalLength
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model
 
@@ -71,7 +71,7 @@ def generate(
     vericache_streamer=None,
     vericache_assistant=None,
     vericache_transfers=None,
-    vericache_cohorts=None,
+    vericache_cohorts: Cohorts | None = None,
     vericache_prefixes=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:

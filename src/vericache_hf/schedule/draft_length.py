@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Hashable
 from typing import Any
 
-from .config import VeriCacheConfig
+from ..config import VeriCacheConfig
 from .measures import AcceptanceCurve, Calibration, RunningLinearFit, RunningMean
 from .proposal_length import ProposalLength
 

@@ -26,36 +26,20 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList
 
-from ._threads import waiting
-from .cache import rows
-from .cache.vericache import VeriCache
-from .config import VeriCacheConfig
-from .draft_length import PRIORS, draft_length_schedule
-from .draft_model import draft_model
-from .loop import Decoding, record_sizes, run_round
-from .pass_model import pass_model
-from .passes import DecodeIO, Sequences
-from .stats import VeriCacheStats
+from .._threads import waiting
+from ..cache import rows
+from ..cache.vericache import VeriCache
+from ..config import VeriCacheConfig
+from ..drafting.draft_model import draft_model
+from ..handoff import Member
+from ..loop import Decoding, record_sizes, run_round
+from ..pass_model import pass_model
+from ..passes import DecodeIO, Sequences
+from ..schedule.draft_length import PRIORS, draft_length_schedule
+from ..stats import VeriCacheStats
 
 #: The most cohorts `cohorts="auto"` runs at once.
 MOST_COHORTS = 4
-
-
-@dataclass
-class Member:
-    """A request handed to a cohort after its prefill: its one-row cache and state, and its own io."""
-
-    cache: VeriCache
-    state: Decoding
-    io: DecodeIO
-    config: VeriCacheConfig
-    key: Hashable  # what rows sharing a cohort must share: sampling or not, and the compressor and its settings
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def finish(self, error: BaseException | None = None) -> None:
-        self.error = self.error or error or self.io.failed
-        self.done.set()
 
 
 class _RowCriteria:
