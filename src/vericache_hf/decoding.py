@@ -29,7 +29,8 @@ from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
-from .schedule.draft_length import PRIORS, draft_length_schedule
+from .schedule.draft_length import draft_length_schedule
+from .schedule.priors import priors_for
 from .schedule.proposal_length import ProposalLength
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model
@@ -117,9 +118,9 @@ def generate(
         timeline=config.timeline,
         drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
     )
-    settings = _schedule_key(config, input_ids, proposer)
+    priors, settings = priors_for(model), _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(
-        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length, io.proposal_length
+        config, io.do_sample, priors.recall(settings), io.plain_proposal_length, io.proposal_length
     )
     cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
@@ -143,7 +144,7 @@ def generate(
             seqs = cohorts.decode(member)
         else:
             seqs = decode(runner, cache, state, io, schedule)
-            PRIORS.remember(model, settings, schedule)
+            priors.remember(settings, schedule)
     finally:
         if io.prefix is not None:
             io.prefix.close()

@@ -35,7 +35,8 @@ from ..handoff import Member
 from ..loop import Decoding, record_sizes, run_round
 from ..pass_model import pass_model
 from ..passes import DecodeIO, Sequences
-from ..schedule.draft_length import PRIORS, draft_length_schedule
+from ..schedule.draft_length import draft_length_schedule
+from ..schedule.priors import priors_for
 from ..stats import VeriCacheStats
 
 #: The most cohorts `cohorts="auto"` runs at once.
@@ -118,7 +119,7 @@ class Cohort:
         self.cache: VeriCache | None = None
         self.state: Decoding | None = None
         self.stats = VeriCacheStats()
-        self.schedule = draft_length_schedule(config, do_sample, PRIORS.recall(model, key))
+        self.schedule = draft_length_schedule(config, do_sample, priors_for(model).recall(key))
         self.io = CohortIO(
             logits_processor=LogitsProcessorList(),
             stopping_criteria=None,
@@ -195,7 +196,7 @@ class Cohort:
         if self.cache is not None:
             record_sizes(self.cache)
             self.cache.close()
-        PRIORS.remember(self.model, self.key, self.schedule)
+        priors_for(self.model).remember(self.key, self.schedule)
         if self.config.stats is not None:
             self.config.stats.merge(self.stats)
         self.stats = VeriCacheStats()
