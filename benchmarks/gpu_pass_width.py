@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_offload import build_model, random_kv  # noqa: E402
 
 from vericache_hf.compat import cache_kwargs  # noqa: E402
-from vericache_hf.draft_model import draft_model  # noqa: E402
+from vericache_hf.drafting.draft_model import draft_model  # noqa: E402
 
 WIDTHS = (1, 2, 4, 8, 11)
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_offload import build_model, kv_bytes, sync  # noqa: E402
 
 import vericache_hf  # noqa: E402
-from vericache_hf.admission import parse_bytes  # noqa: E402
+from vericache_hf.serving.admission import parse_bytes  # noqa: E402
 
 
 def _significant(value: float) -> float:

@@ -15,8 +15,8 @@ import torch
 from draft_step import drafted
 from plain_round import smollm2_shaped
 
-from vericache_hf import draft_model as dm
-from vericache_hf.draft_matmul import LAYOUTS, MeasuredLinear
+from vericache_hf.drafting import draft_model as dm
+from vericache_hf.drafting.draft_matmul import LAYOUTS, MeasuredLinear
 
 KEPT = 1024
 

@@ -1,5 +1,5 @@
 """What the linear layers of one SmolLM2-135M forward cost per row count in each layout `draft_matmul="measured"`
-chooses from (`vericache_hf.draft_matmul.LAYOUTS`): every weight of the model in turn, so that they stream from
+chooses from (`vericache_hf.drafting.draft_matmul.LAYOUTS`): every weight of the model in turn, so that they stream from
 memory as in a draft step. Random weights (seed 0) in float32 and bfloat16; best of 4 per cell, milliseconds.
 
     python benchmarks/linear_layouts.py [--rows 1,2,3,4,6,8,12,16]
@@ -11,7 +11,7 @@ import time
 import torch
 from plain_round import smollm2_shaped
 
-from vericache_hf.draft_matmul import LAYOUTS, product
+from vericache_hf.drafting.draft_matmul import LAYOUTS, product
 
 
 def main() -> None:

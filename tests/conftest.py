@@ -21,8 +21,8 @@ from transformers import (
 
 import vericache_hf  # registers generation_mode="vericache"
 from vericache_hf.cache.transfer import WORKER_THREAD_NAME
-from vericache_hf.draft_length import PRIORS
 from vericache_hf.prefix import DiskStore, RedisStore
+from vericache_hf.schedule import priors_for
 from vericache_tools.redis_server import running_redis, server_binary
 
 VOCAB = 96
@@ -34,10 +34,14 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
-def fresh_schedule_priors():
-    """Each test's calls start without what earlier tests' cost-aware schedules measured on the shared models."""
-    PRIORS.forget()
+def fresh_schedule_priors(request):
+    """Each test's calls start without what earlier tests' cost-aware schedules measured on the shared models: every
+    model a test was given forgets its priors when the test ends."""
     yield
+    for value in request.node.funcargs.values():
+        for model in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(model, torch.nn.Module):
+                priors_for(model).forget()
 
 
 @pytest.fixture

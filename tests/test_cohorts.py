@@ -11,11 +11,11 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from vericache_hf import RequestStatus, Timeline, VeriCacheConfig, VeriCacheEngine, VeriCacheStats
 from vericache_hf.cache import rows
 from vericache_hf.cache.transfer import TransferEngine
-from vericache_hf.cohort import plan
 from vericache_hf.decoding import _build_cache
 from vericache_hf.loop import begin
 from vericache_hf.pass_model import pass_model
 from vericache_hf.passes import DecodeIO
+from vericache_hf.serving.cohort import plan
 
 from .conftest import random_prompt, tiny_model
 from .test_engine import no_engine_thread_left, prompts, staged_config, stock

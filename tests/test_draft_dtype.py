@@ -12,7 +12,7 @@ import torch
 
 from vericache_hf import VeriCacheConfig, generate_batch
 from vericache_hf.attention import wrapped_name
-from vericache_hf.draft_model import draft_model
+from vericache_hf.drafting.draft_model import draft_model
 from vericache_hf.prefix import DiskStore
 
 from .conftest import random_prompt, tiny_model

@@ -9,15 +9,17 @@ from itertools import pairwise
 import pytest
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf.draft_length import (
-    PRIORS,
+from vericache_hf.schedule import priors_for
+from vericache_hf.schedule.draft_length import (
     AcceptanceDraftLength,
     CostAwareDraftLength,
     DraftLengthSchedule,
     draft_length_schedule,
 )
-from vericache_hf.measures import AcceptanceCurve, Calibration, RunningLinearFit
-from vericache_hf.proposal_length import ProposalLength, bounding_rows, call_run
+from vericache_hf.schedule.exploration import Exploration
+from vericache_hf.schedule.measures import AcceptanceCurve, Calibration, RunningLinearFit
+from vericache_hf.schedule.proposal_length import ProposalLength, bounding_rows, call_run
+from vericache_hf.schedule.round_costs import RoundCosts
 
 from .conftest import random_prompt
 
@@ -124,7 +126,7 @@ def test_a_stale_plain_price_is_measured_again_while_drafting_leads():
     lengths = run_plain_prices(schedule, 300, 0.001, [0.025], lambda w: 0.02 + 0.002 * w, accept_run=10_000)
     plain = [i for i, k in enumerate(lengths) if i > 1 and not k]
     assert 2 <= len(plain) <= 4 and all(b - a > 20 for a, b in pairwise(plain))
-    assert schedule.plain_probe_after > CostAwareDraftLength.FIRST_PLAIN_PROBE_AFTER
+    assert schedule.exploration.plain_probe_after > Exploration.FIRST_PLAIN_PROBE_AFTER
 
 
 def probes(
@@ -160,7 +162,7 @@ def test_a_probe_comes_only_where_it_can_pay():
     # near the end of an answer: of 30 tokens, the 11 left after 16 plain rounds cannot repay a probe
     schedule = CostAwareDraftLength(VeriCacheConfig())
     assert probes(schedule, 30, middling, 0.012, tokens=30) == [2]
-    assert schedule.probe_pays(4, 10_000, True, schedule.acceptance.expectations(schedule.high))
+    assert schedule.payoff.probe_pays(4, 10_000, True, schedule.costs.curve())
     # a freed tier whose rebuild takes 30 s: no probe, where the same schedule with the tier held would
     schedule = CostAwareDraftLength(VeriCacheConfig())
     schedule.observe_build(30.0)
@@ -196,7 +198,7 @@ def test_a_plain_round_is_priced_by_plain_rounds_not_by_wider_passes():
         schedule, 200, 2, draft_step=0.04, verify_base=0.075, verify_per_token=0.001, plain_step=0.05
     )
     assert sum(k == 0 for k in lengths) > 0.9 * len(lengths)
-    assert schedule.tokens_per_second(0) == pytest.approx(1 / 0.05)
+    assert schedule.costs.tokens_per_second(0) == pytest.approx(1 / 0.05)
 
 
 def test_a_plain_round_with_a_proposer_is_priced_as_the_plain_gate_will_run_it():
@@ -225,9 +227,9 @@ def test_a_plain_round_with_a_proposer_is_priced_as_the_plain_gate_will_run_it()
         tokens, seconds = tokens + kept + 1, seconds + took
     assert sum(k > 0 for k in lengths) < 0.05 * len(lengths)
     assert tokens / seconds > 1 / 0.075  # proposals verified on the full tier beat plain rounds alone
-    assert schedule.tokens_per_second(0) == pytest.approx(tokens / seconds, rel=0.1)
+    assert schedule.costs.tokens_per_second(0) == pytest.approx(tokens / seconds, rel=0.1)
     gate.current = 0  # the next plain round will not ask: one token at the one-token price
-    assert schedule.tokens_per_second(0) == pytest.approx(1 / schedule.plain_step.value)
+    assert schedule.costs.tokens_per_second(0) == pytest.approx(1 / schedule.costs.plain_step.value)
 
 
 def test_the_next_call_starts_from_what_the_last_one_measured():
@@ -239,7 +241,7 @@ def test_the_next_call_starts_from_what_the_last_one_measured():
     # where it does not, the next call steps plainly from its first round, and probes no sooner than the last did
     slow = CostAwareDraftLength(config)
     drive(slow, 300, 1, draft_step=0.06, verify_base=0.072, verify_per_token=0.003)
-    assert slow.probe_after >= 64 > CostAwareDraftLength.FIRST_PROBE_AFTER
+    assert slow.exploration.probe_after >= 64 > Exploration.FIRST_PROBE_AFTER
     prior = slow.estimates()
     remembered = prior["plain_step"].total
     after = CostAwareDraftLength(config, prior)
@@ -256,12 +258,14 @@ def test_priors_are_kept_per_model_and_settings(llama):
     llama.generate(
         ids, max_new_tokens=12, do_sample=False, generation_mode="vericache", vericache_config=config
     )
-    assert PRIORS.recall(llama, _schedule_key(config, ids, None)) is not None
-    assert PRIORS.recall(llama, _schedule_key(config, ids.repeat(2, 1), None)) is None  # another batch size
+    assert priors_for(llama).recall(_schedule_key(config, ids, None)) is not None
+    assert (
+        priors_for(llama).recall(_schedule_key(config, ids.repeat(2, 1), None)) is None
+    )  # another batch size
     other = VeriCacheConfig(compressor="snapkv", compression_ratio=0.5)
-    assert PRIORS.recall(llama, _schedule_key(other, ids, None)) is None
-    PRIORS.forget(llama)
-    assert PRIORS.recall(llama, _schedule_key(config, ids, None)) is None
+    assert priors_for(llama).recall(_schedule_key(other, ids, None)) is None
+    priors_for(llama).forget()
+    assert priors_for(llama).recall(_schedule_key(config, ids, None)) is None
 
 
 def run_gate(gate, passes: int, seconds, rows) -> list[int]:
@@ -439,7 +443,7 @@ def test_a_steep_slope_from_close_widths_does_not_keep_drafts_short():
     lengths = run_plain_prices(schedule, 12, 0.04, [0.092], verify, accept_run=10_000)
     assert lengths[2] == CostAwareDraftLength.PROBE_LENGTH and passes[1] > passes[0]
     assert max(lengths[4:]) >= 32  # past the slow pass, drafts run long
-    far = RunningLinearFit(decay=0.95, slope_prior=CostAwareDraftLength.SLOPE_PRIOR)
+    far = RunningLinearFit(decay=0.95, slope_prior=RoundCosts.SLOPE_PRIOR)
     for x in (5, 9, 17, 33, 5, 17):  # widths far apart: the data's own slope, nearly
         far.add(x, 0.07 + 0.004 * x)
     assert far.predict(65) == pytest.approx(0.07 + 0.004 * 65, rel=0.03)
@@ -546,10 +550,40 @@ def test_with_a_proposer_a_drafted_token_is_priced_by_the_passes_the_gate_will_r
     schedule = CostAwareDraftLength(VeriCacheConfig(), draft_gate=gate)
     for drafted, passes in ((0, None), (0, None), (24, 3)):
         schedule.observe(drafted, [drafted] * 4, 0.45 if drafted else 0.0, 0.3, passes=passes)
-    assert schedule.draft_step.value == pytest.approx(0.15)  # a draft step is a pass
-    assert schedule.draft_token_seconds == pytest.approx(gate.single.value)  # the next passes: one token each
+    assert schedule.costs.draft_step.value == pytest.approx(0.15)  # a draft step is a pass
+    next_passes = gate.single.value  # one token each
+    assert schedule.costs.draft_token_seconds == pytest.approx(next_passes)
     alone = CostAwareDraftLength(VeriCacheConfig())
     alone.observe(0, [0], 0.0, 0.3)
     alone.observe(0, [0], 0.0, 0.3)
     alone.observe(8, [8] * 4, 8 * 0.05, 0.3)
-    assert alone.draft_token_seconds == pytest.approx(0.05)  # drafting alone: its draft step
+    assert alone.costs.draft_token_seconds == pytest.approx(0.05)  # drafting alone: its draft step
+
+
+def test_each_model_owns_its_priors_and_threads_share_them_safely():
+    import threading
+
+    import torch
+
+    first, second = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    schedule = CostAwareDraftLength(VeriCacheConfig())
+    drive(schedule, 40, 4, draft_step=0.01, verify_base=0.05, verify_per_token=0.001)
+    assert priors_for(first) is priors_for(first) and priors_for(first) is not priors_for(second)
+
+    def remember(worker: int) -> None:
+        for i in range(200):
+            priors_for(first).remember((worker, i), schedule)
+            assert priors_for(first).recall((worker, i)) is not None
+
+    threads = [threading.Thread(target=remember, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(priors_for(first)) == 800 and len(priors_for(second)) == 0
+    priors_for(second).remember(
+        "plain", DraftLengthSchedule(VeriCacheConfig())
+    )  # a fixed schedule carries nothing
+    assert priors_for(second).recall("plain") is None
+    priors_for(first).forget()
+    assert len(priors_for(first)) == 0

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from vericache_hf import VeriCacheConfig, generate_batch
-from vericache_hf import draft_matmul as dm
-from vericache_hf.draft_model import draft_model
+from vericache_hf.drafting import draft_matmul as dm
+from vericache_hf.drafting.draft_model import draft_model
 
 from .conftest import random_prompt, tiny_model
 from .test_generate_parity import left_padded_batch

@@ -14,7 +14,7 @@ from transformers import StoppingCriteria
 
 import vericache_hf
 from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, VeriCacheStats, generate_batch
-from vericache_hf.admission import MemoryBudget, footprint, parse_bytes
+from vericache_hf.serving.admission import MemoryBudget, footprint, parse_bytes
 
 from .conftest import VOCAB, random_prompt, tiny_model
 from .test_sampling import NEW_TOKENS, PROMPT, SAMPLING, chi_square_p
@@ -349,8 +349,8 @@ def test_timeline_measures_union_and_overlap():
 def test_the_engines_stopping_criteria_answer_on_the_ids_device():
     """StoppingCriteriaList ORs every criterion's answer into a tensor on the ids' device: an answer elsewhere (a CPU
     tensor for ids on a GPU) breaks every request there. The meta device stands in for the GPU."""
-    from vericache_hf.cohort import _RowCriteria
-    from vericache_hf.engine import _Cancelled, _Request
+    from vericache_hf.serving.cohort import _RowCriteria
+    from vericache_hf.serving.engine import _Cancelled, _Request
 
     class Failing(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):

@@ -18,9 +18,13 @@ from vericache_hf.compressors import build_compressor
 from vericache_hf.compressors.h2o import H2OCompressor
 from vericache_hf.compressors.streaming_llm import StreamingLLMCompressor
 from vericache_hf.decoding import _schedule_key
-from vericache_hf.draft_length import PRIORS, CostAwareDraftLength
 from vericache_hf.loop import build_for_drafting
 from vericache_hf.pass_model import pass_model
+from vericache_hf.schedule import priors_for
+from vericache_hf.schedule.draft_length import CostAwareDraftLength
+from vericache_hf.schedule.exploration import Exploration
+from vericache_hf.schedule.payoff import Payoff
+from vericache_hf.schedule.round_costs import RoundCosts
 
 from .conftest import random_prompt, tiny_model
 
@@ -29,12 +33,12 @@ def remember_plain_pays(model, config: VeriCacheConfig, ids: torch.Tensor) -> No
     """A prior in which drafts were all rejected and two probes failed (the probe interval is 64 plain rounds)."""
     schedule = CostAwareDraftLength(config)
     for _ in range(10):
-        schedule.acceptance.add([(8, 0)] * 4)
-    schedule.draft_step.add(0.01)
-    schedule.plain_step.add(0.01)
-    schedule.verify.add(5, 0.012)
-    schedule.probe_after = CostAwareDraftLength.FREE_AFTER
-    PRIORS.remember(model, _schedule_key(config, ids, None), schedule)
+        schedule.costs.acceptance.add([(8, 0)] * 4)
+    schedule.costs.draft_step.add(0.01)
+    schedule.costs.plain_step.add(0.01)
+    schedule.costs.verify.add(5, 0.012)
+    schedule.exploration.probe_after = Exploration.FREE_AFTER
+    priors_for(model).remember(_schedule_key(config, ids, None), schedule)
 
 
 def prefilled(model, ids, method: str, mask=None, **settings) -> VeriCache:
@@ -52,8 +56,8 @@ def probes_are_due(monkeypatch):
     """Every due probe runs, and no round drafts but a probe: whether one can pay, and whether drafting leads after a
     probe that ran through, read the clock (a tiny model's draft step costs what a plain round does), and these
     tests put the switches at known rounds. `probe_pays` and the choice of length have their own tests."""
-    monkeypatch.setattr(CostAwareDraftLength, "probe_pays", lambda *args: True)
-    monkeypatch.setattr(CostAwareDraftLength, "tokens_per_second", lambda self, k, curve=None: float(not k))
+    monkeypatch.setattr(Payoff, "probe_pays", lambda *args: True)
+    monkeypatch.setattr(RoundCosts, "tokens_per_second", lambda self, k, curve=None: float(not k))
 
 
 def stock(model, ids, mask=None, new=90):
@@ -153,7 +157,7 @@ def test_a_build_declined_at_a_remembered_price_builds_nothing_and_releases_the_
     (1.5x the full tier on SmolLM2-135M) go at once, not when the call ends."""
     cache = prefilled(llama, random_prompt(24, seed=11), "h2o")
     schedule = CostAwareDraftLength(VeriCacheConfig(compressor="h2o", compression_ratio=0.5))
-    schedule.plain_step.add(0.01)  # a plain round's price: 20 tokens could save at most 0.2 s
+    schedule.costs.plain_step.add(0.01)  # a plain round's price: 20 tokens could save at most 0.2 s
     schedule.observe_build(10.0)  # the remembered build
     assert cache._held and not build_for_drafting(pass_model(llama), cache, schedule, remaining=20)
     assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held

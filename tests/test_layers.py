@@ -1,6 +1,6 @@
 """How the code is layered, read from the source with `ast`: the library apart from its tooling, and inside the
-library data that flows one way (registration -> decoding -> loop -> cache <- compressors), with the cache the only
-writer of its own phase."""
+library data that flows one way (serving -> registration -> decoding -> loop -> schedule, drafting -> cache <-
+compressors), with the cache the only writer of its own phase."""
 
 from __future__ import annotations
 
@@ -58,6 +58,27 @@ def test_data_flows_one_way():
     registration."""
     assert not {layer_of(m) for m in relative_imports(LIBRARY / "loop.py")} & {"decoding", "registration"}
     assert "registration" not in {layer_of(m) for m in relative_imports(LIBRARY / "decoding.py")}
+
+
+def test_serving_sits_on_top():
+    """Only `serving/` imports `serving/` (and the package's `__init__.py`, which exports the engine and hands its
+    `generate_batch` to the registration): the core hands requests to cohorts through `handoff.py`'s protocol, and
+    the schedules and drafting know nothing of how requests are served."""
+    for path in LIBRARY.rglob("*.py"):
+        if path.relative_to(LIBRARY).parts[0] in ("serving", "__init__.py"):
+            continue
+        layers = {layer_of(m) for m in relative_imports(path) if m} - {""}
+        assert "serving" not in layers, path.relative_to(LIBRARY).as_posix()
+
+
+def test_schedule_and_drafting_stay_below_the_loop():
+    """The schedules and the drafting are used by the loop, never the other way round."""
+    above = {"serving", "registration", "decoding", "loop", "handoff"}
+    for package in ("schedule", "drafting"):
+        for path in (LIBRARY / package).rglob("*.py"):
+            assert not {layer_of(m) for m in relative_imports(path)} & above, path.relative_to(
+                LIBRARY
+            ).as_posix()
 
 
 def test_only_the_cache_writes_its_phase():

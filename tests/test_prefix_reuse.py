@@ -16,12 +16,12 @@ import vericache_hf
 from vericache_hf import VeriCacheConfig, VeriCacheStats
 from vericache_hf.compressors import SnapKVCompressor, build_compressor
 from vericache_hf.decoding import _build_cache, _prefix_reuse
-from vericache_hf.draft_length import draft_length_schedule
 from vericache_hf.loop import begin, run_round
 from vericache_hf.pass_model import pass_model
 from vericache_hf.passes import DecodeIO
 from vericache_hf.prefix import DiskStore, PrefixStore, RedisStore, ThrottledStore, flush
 from vericache_hf.prefix.reuse import PrefixReuse
+from vericache_hf.schedule.draft_length import draft_length_schedule
 from vericache_tools.redis_server import free_port
 
 from .conftest import VOCAB, small_model, tiny_model

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from vericache_hf import VeriCacheConfig, VeriCacheStats
-from vericache_hf.draft_length import CostAwareDraftLength
-from vericache_hf.hierarchy import widen_for
-from vericache_hf.proposers import PromptLookupProposer
-from vericache_hf.verify import proposal_accept, speculative_accept
+from vericache_hf.accept import proposal_accept, speculative_accept
+from vericache_hf.drafting.proposed import widen_for
+from vericache_hf.drafting.proposers import PromptLookupProposer
+from vericache_hf.schedule.draft_length import CostAwareDraftLength
 
 from .conftest import VOCAB, random_prompt, small_model, tiny_model
 from .test_generate_parity import left_padded_batch, tiny_tokenizer

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from vericache_hf import VeriCacheConfig
-from vericache_hf.verify import speculative_accept
+from vericache_hf.accept import speculative_accept
 
 from .conftest import random_prompt
 

@@ -9,9 +9,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import vericache_hf
 from vericache_hf import VeriCache
-from vericache_hf.admission import footprint
 from vericache_hf.compat import cache_kwargs
 from vericache_hf.compressors import build_compressor
+from vericache_hf.serving.admission import footprint
 from vericache_hf.verify_attention import KERNELS, VerifyPass
 
 from .conftest import random_prompt, tiny_model

@@ -11,12 +11,12 @@ from .cache.transfer import TransferError
 from .compressors import Compressor, available_compressors
 from .config import VeriCacheConfig
 from .decoding import VeriCacheGenerateOutput, generate, warm_prefix
-from .engine import GenerationOutput, RequestStatus, VeriCacheEngine, generate_batch
 from .registration import register, set_default_mode, vericache_generate
+from .serving.engine import GenerationOutput, RequestStatus, VeriCacheEngine, generate_batch
 from .stats import VeriCacheStats
 from .timeline import Timeline
 
-register()
+register(generate_batch)
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checks import check_budget, check_int, check_ratio, check_seconds
-from .draft_model import check_draft_matmul, resolve_dtype
+from .drafting.draft_model import check_draft_matmul, resolve_dtype
 from .verify_attention import check_kernel
 
 DRAFT_SCHEDULES = ("auto", "cost_aware", "adaptive", "fixed")

@@ -17,20 +17,21 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache.rows import build_carried_tier, can_share_rows
 from .cache.vericache import VeriCache
-from .cohort import Member
 from .compat import CACHE_OUTPUT_FIELD
 from .compressors import build_compressor
 from .config import VeriCacheConfig
-from .draft_length import PRIORS, draft_length_schedule
-from .draft_model import draft_model
+from .drafting.draft_model import draft_model
+from .drafting.proposers import build_proposer
+from .handoff import Cohorts, Member
 from .layer_plan import check_compressor, text_config
 from .loop import begin, decode, prefill_prefix, run_round
 from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
-from .proposal_length import ProposalLength
-from .proposers import build_proposer
+from .schedule.draft_length import draft_length_schedule
+from .schedule.priors import priors_for
+from .schedule.proposal_length import ProposalLength
 from .stats import VeriCacheStats
 from .validation import check_generation, check_model, check_prompt_inputs
 
@@ -71,7 +72,7 @@ def generate(
     vericache_streamer=None,
     vericache_assistant=None,
     vericache_transfers=None,
-    vericache_cohorts=None,
+    vericache_cohorts: Cohorts | None = None,
     vericache_prefixes=None,
     **model_kwargs,
 ) -> torch.LongTensor | VeriCacheGenerateOutput:
@@ -119,9 +120,9 @@ def generate(
         prompt_inputs=prompt_inputs,
         drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
     )
-    settings = _schedule_key(config, input_ids, proposer)
+    priors, settings = priors_for(model), _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(
-        config, io.do_sample, PRIORS.recall(model, settings), io.plain_proposal_length, io.proposal_length
+        config, io.do_sample, priors.recall(settings), io.plain_proposal_length, io.proposal_length
     )
     cohorts = vericache_cohorts if _joins_cohorts(input_ids, io, generation_config) else None
     try:
@@ -145,7 +146,7 @@ def generate(
             seqs = cohorts.decode(member)
         else:
             seqs = decode(runner, cache, state, io, schedule)
-            PRIORS.remember(model, settings, schedule)
+            priors.remember(settings, schedule)
     finally:
         if io.prefix is not None:
             io.prefix.close()

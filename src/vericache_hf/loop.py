@@ -11,9 +11,9 @@ The loop never sets the cache's state: each pass runs inside the cache phase it 
 
 Read it bottom up: `decode` runs `begin` (the prompt), then `run_round`s of `draft_round` -> `verify_round` ->
 `emit` -> `record_round` -> `commit_round` -> the schedule's `observe`, each round's state in one `Round` and the
-call's state between rounds in one `Decoding` (which a cohort of requests shares, see `cohort.py`); the passes they
-run (`draft`, `verify`) and the accept rules (`accept`, in `verify.py`) sit above them. What every pass shares
-(the rows' buffers, the call's io, `forward`) is in `passes.py`; drafting with a proposer in `hierarchy.py`.
+call's state between rounds in one `Decoding` (which a cohort of requests shares, see `serving/cohort.py`); the
+passes they run (`draft`, `verify`) and the accept rules (`accept`, in `accept.py`) sit above them. What every pass shares
+(the rows' buffers, the call's io, `forward`) is in `passes.py`; drafting with a proposer in `drafting/proposed.py`.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from functools import partial
 
 import torch
 
+from .accept import choose, greedy_accept, speculative_accept
 from .cache.capture import QueryCapture
 from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
 from .compat import cache_kwargs
-from .draft_length import DraftLengthSchedule
-from .hierarchy import draft_with_proposals, propose_to_full_tier
+from .drafting.proposed import draft_with_proposals, propose_to_full_tier
 from .passes import DecodeIO, Sequences, emit, forward, process
 from .prefix.reuse import PrefixReuse
-from .proposal_length import bounding_rows, call_run
-from .verify import choose, greedy_accept, speculative_accept
+from .schedule.draft_length import DraftLengthSchedule
+from .schedule.proposal_length import bounding_rows, call_run
 
 
 def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, seqs: Sequences):

@@ -12,10 +12,10 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .cache.vericache import VeriCache
 from .compat import cache_kwargs
+from .drafting.proposers import Proposer
 from .prefix.reuse import PrefixReuse
 from .prefix.shared import SharedPrefixes
-from .proposal_length import ProposalLength
-from .proposers import Proposer
+from .schedule.proposal_length import ProposalLength
 from .timeline import Timeline
 
 

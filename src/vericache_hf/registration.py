@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
@@ -102,6 +103,12 @@ _BATCHING_ONLY = (
 )
 
 
+#: What `generate_batch` runs in VeriCache's mode: the serving engine's, given to `register` and kept on the
+#: wrapper, so that a reload of this module keeps it too.
+BATCH_ATTRIBUTE = "__batch_decoding__"
+_batch_decoding: Callable | None = getattr(GenerationMixin.generate_batch, BATCH_ATTRIBUTE, None)
+
+
 @functools.wraps(_stock_generate_batch)
 def generate_batch_with_modes(
     self, inputs, generation_config=None, *args, generation_mode: str | None = None, **kwargs
@@ -116,13 +123,15 @@ def generate_batch_with_modes(
             "with generation_mode='vericache', pass generate_batch's settings by keyword (continuous_batching_config "
             "and the like are transformers' paged-cache settings, which the VeriCache engine does not use)."
         )
-    from .engine import generate_batch
-
+    if _batch_decoding is None:
+        raise RuntimeError(
+            "generate_batch's VeriCache mode needs `import vericache_hf`, which registers the engine."
+        )
     for name in _BATCHING_ONLY:
         kwargs.pop(name, None)
     if generation_config is not None:
         kwargs["generation_config"] = generation_config
-    return generate_batch(self, inputs, **kwargs)
+    return _batch_decoding(self, inputs, **kwargs)
 
 
 setattr(generate_batch_with_modes, STOCK_ATTRIBUTE, _stock_generate_batch)
@@ -164,10 +173,16 @@ def _saved_form(vericache_config: VeriCacheConfig) -> dict:
     return saved
 
 
-def register() -> None:
+def register(batch_decoding: Callable | None = None) -> None:
     """Install the `generation_mode` kwarg on every transformers model (idempotent, also after a reload of this
     module: the wrapper then replaces the old one, both wrapping the same stock `generate`), and the wrapped
-    attention implementations VeriCache's passes run (`attention.py`)."""
+    attention implementations VeriCache's passes run (`attention.py`). `batch_decoding` is what
+    `generate_batch(..., generation_mode="vericache")` runs: the package passes the serving engine's
+    `generate_batch`, so that this module, below serving, never imports it."""
+    global _batch_decoding
+    if batch_decoding is not None:
+        _batch_decoding = batch_decoding
+        setattr(generate_batch_with_modes, BATCH_ATTRIBUTE, batch_decoding)
     register_attention()
     if GenerationMixin.generate is not generate_with_modes:
         GenerationMixin.generate = generate_with_modes

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from vericache_hf.draft_model import DRAFT_MATMULS
+from vericache_hf.drafting.draft_model import DRAFT_MATMULS
 
 from ..arguments import HelpFormatter, comma_list
 from .methods import PEERS, PROPOSERS

@@ -15,9 +15,9 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from .cache.staging import buffer_tokens
-from .compressors import build_compressor
-from .config import VeriCacheConfig
+from ..cache.staging import buffer_tokens
+from ..compressors import build_compressor
+from ..config import VeriCacheConfig
 
 __all__ = ["Footprint", "MemoryBudget", "footprint", "parse_bytes"]
 

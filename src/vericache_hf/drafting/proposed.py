@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from .cache.vericache import VeriCache
-from .passes import DecodeIO, Sequences, forward, process
-from .proposal_length import bounding_rows, call_run
-from .verify import proposal_accept
+from ..accept import proposal_accept
+from ..cache.vericache import VeriCache
+from ..passes import DecodeIO, Sequences, forward, process
+from ..schedule.proposal_length import bounding_rows, call_run
 
 
 def draft_with_proposals(model, cache: VeriCache, pending, positions, k: int, io: DecodeIO, seqs: Sequences):

@@ -37,13 +37,14 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from ._threads import waiting
+from .._threads import waiting
+from ..cache.transfer import TransferEngine
+from ..checks import check_int
+from ..decoding import resolve_config
+from ..prefix.shared import SharedPrefixes
+from ..registration import MODE
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
-from .cache.transfer import TransferEngine
-from .checks import check_int
 from .cohort import CohortPool, own_stream
-from .decoding import resolve_config
-from .prefix.shared import SharedPrefixes
 
 __all__ = ["GenerationOutput", "RequestStatus", "VeriCacheEngine", "generate_batch"]
 
@@ -368,7 +369,7 @@ class VeriCacheEngine:
             with track:
                 self.model.generate(
                     prompt,
-                    generation_mode="vericache",
+                    generation_mode=MODE,
                     streamer=request,
                     stopping_criteria=criteria,
                     **kwargs,

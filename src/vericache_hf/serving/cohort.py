@@ -26,36 +26,21 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList
 
-from ._threads import waiting
-from .cache import rows
-from .cache.vericache import VeriCache
-from .config import VeriCacheConfig
-from .draft_length import PRIORS, draft_length_schedule
-from .draft_model import draft_model
-from .loop import Decoding, record_sizes, run_round
-from .pass_model import pass_model
-from .passes import DecodeIO, Sequences
-from .stats import VeriCacheStats
+from .._threads import waiting
+from ..cache import rows
+from ..cache.vericache import VeriCache
+from ..config import VeriCacheConfig
+from ..drafting.draft_model import draft_model
+from ..handoff import Member
+from ..loop import Decoding, record_sizes, run_round
+from ..pass_model import pass_model
+from ..passes import DecodeIO, Sequences
+from ..schedule.draft_length import draft_length_schedule
+from ..schedule.priors import priors_for
+from ..stats import VeriCacheStats
 
 #: The most cohorts `cohorts="auto"` runs at once.
 MOST_COHORTS = 4
-
-
-@dataclass
-class Member:
-    """A request handed to a cohort after its prefill: its one-row cache and state, and its own io."""
-
-    cache: VeriCache
-    state: Decoding
-    io: DecodeIO
-    config: VeriCacheConfig
-    key: Hashable  # what rows sharing a cohort must share: sampling or not, and the compressor and its settings
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def finish(self, error: BaseException | None = None) -> None:
-        self.error = self.error or error or self.io.failed
-        self.done.set()
 
 
 class _RowCriteria:
@@ -134,7 +119,7 @@ class Cohort:
         self.cache: VeriCache | None = None
         self.state: Decoding | None = None
         self.stats = VeriCacheStats()
-        self.schedule = draft_length_schedule(config, do_sample, PRIORS.recall(model, key))
+        self.schedule = draft_length_schedule(config, do_sample, priors_for(model).recall(key))
         self.io = CohortIO(
             logits_processor=LogitsProcessorList(),
             stopping_criteria=None,
@@ -211,7 +196,7 @@ class Cohort:
         if self.cache is not None:
             record_sizes(self.cache)
             self.cache.close()
-        PRIORS.remember(self.model, self.key, self.schedule)
+        priors_for(self.model).remember(self.key, self.schedule)
         if self.config.stats is not None:
             self.config.stats.merge(self.stats)
         self.stats = VeriCacheStats()

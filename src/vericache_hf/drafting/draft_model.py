@@ -22,8 +22,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..pass_model import pass_model, set_attention, shared_copy
 from .draft_matmul import measurable, measure_layouts
-from .pass_model import pass_model, set_attention, shared_copy
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
