@@ -92,7 +92,7 @@ class DraftState:
         """Compress `tokens`' K/V into a draft tier. `leading`, per layer, holds exact (1, H_kv, P, D) K/V of the
         first P tokens (from the serving engine's own cache); the rest are computed here, in one pass, which must
         cover at least the last tokens whose queries the compressor reads. `drafter` runs the draft steps (a copy
-        with faster draft matmuls, `vericache_hf.draft_model`); None: the model's pass copy."""
+        with faster draft matmuls, `vericache_hf.drafting.draft_model`); None: the model's pass copy."""
         tokens = list(tokens)
         known = 0 if leading is None else leading[0][0].shape[2]
         read = compressor.queries_read

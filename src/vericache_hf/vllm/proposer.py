@@ -121,7 +121,7 @@ class VeriCacheProposer:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..draft_model import draft_model
+        from ..drafting.draft_model import draft_model
 
         dtype = self.dtype if isinstance(self.dtype, torch.dtype) else getattr(torch, str(self.dtype))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
