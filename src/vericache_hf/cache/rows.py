@@ -1,5 +1,5 @@
 """Rows joining and leaving a `VeriCache` between rounds: what lets requests share forward passes (a cohort, see
-`cohort.py`) while each joins after its own prefill and leaves when it stops.
+`serving/cohort.py`) while each joins after its own prefill and leaves when it stops.
 
 Neither runs a forward pass. The full tier changes in place (`HostKVStore.add_rows` and `keep_rows`): a joining row
 is written after the stored ones, each padded with masked slots to the longer length (positions are explicit, so a
