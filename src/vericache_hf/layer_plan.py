@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .pass_model import attention_layers
+
 #: `config.layer_types` values that are self-attention over a KV cache.
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
 SLIDING_KINDS = {"sliding_attention", "local"}
@@ -40,14 +42,6 @@ def text_config(model: nn.Module):
     return getter(decoder=True) if getter is not None else config
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [
-        module
-        for module in model.modules()
-        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int)
-    ]
-
-
 def _kinds(config, layers: int) -> list[str]:
     kinds = getattr(config, "layer_types", None)
     if kinds:
@@ -65,7 +59,7 @@ def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan. With `strict`, a model VeriCache cannot serve exactly raises a ValueError that
     names the layer kind and what to do instead."""
     config = text_config(model)
-    layers = getattr(config, "num_hidden_layers", None) or len(_attention_modules(model))
+    layers = getattr(config, "num_hidden_layers", None) or len(attention_layers(model))
     kinds = _kinds(config, layers)[:layers]
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
@@ -130,7 +124,7 @@ def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
             "attend to image states rather than a cache of generated tokens, which VeriCache's tiers do not hold. "
             "Use stock generate() for this model."
         )
-    attention = _attention_modules(model)
+    attention = attention_layers(model)
     if not attention:
         raise ValueError(
             f"VeriCache cannot serve {name}: it has no self-attention layers that read a KV cache through "
