@@ -63,3 +63,43 @@ def test_every_compressor_is_exact_or_refused_up_front(family):
         assert torch.equal(got, expected), f"{name} on {family} differs from stock generate"
         served += 1
     assert served >= 3, f"only {served} compressors serve {family}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_query_scoring_serves_latent_attention(name):
+    """DeepSeek V3 caches latents; SnapKV and H2O score the keys its attention expands from them, so they serve it
+    exactly on a ragged batch rather than being refused."""
+    torch.set_num_threads(1)
+    model = tiny_model("deepseek_v3").to(torch.float32)
+    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    expected = model.generate(**prompts(3), **kwargs)
+    config = vericache_hf.VeriCacheConfig(
+        compressor=name, compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
+    )
+    got = model.generate(**prompts(3), generation_mode="vericache", vericache_config=config, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_latent_scores_reduce_to_the_cache_heads():
+    """Scores per query head over expanded keys pick the latent cache's tokens by their mean over heads."""
+    from vericache_hf.compressors.base import CompressionContext
+    from vericache_hf.compressors.snapkv import SnapKVCompressor, window_attention
+
+    torch.manual_seed(0)
+    heads, length, window = 4, 24, 4
+    latents = torch.randn(1, 1, length, 6)
+    rope = torch.randn(1, 1, length, 2)
+    expanded = torch.randn(1, heads, length, 8)
+    queries = torch.randn(1, heads, window, 8)
+    valid = torch.ones(1, length, dtype=torch.bool)
+    context = CompressionContext(
+        layer_idx=0, valid=valid, queries=queries, scaling=0.5, attention_keys=expanded
+    )
+    compressor = SnapKVCompressor(compression_ratio=0.5, window_size=window, kernel_size=1)
+    kept, kept_rope, _ = compressor.select(latents, rope, context)
+    scores = window_attention(queries, expanded, valid, 0.5).mean(1)
+    scores[..., -window:] = float("inf")
+    indices = scores.topk(length // 2, dim=-1).indices.sort(-1).values[0]
+    assert torch.equal(kept[0, 0], latents[0, 0, indices])
+    assert torch.equal(kept_rope[0, 0], rope[0, 0, indices])

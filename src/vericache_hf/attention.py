@@ -45,7 +45,9 @@ ACTIVE_CAPTURE: ContextVar[QueryReader | None] = ContextVar(CAPTURE_KWARG, defau
 class QueryReader(Protocol):
     """What a pass hands its attention layers to read their queries: see `cache/capture.py`."""
 
-    def read(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> None: ...
+    def read(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None
+    ) -> None: ...
 
 
 def wrapped_name(base: str) -> str:
@@ -120,7 +122,7 @@ def _make(base: str) -> Callable:
         # `dropout` by position too: kvpress wraps every registered attention function and passes it so
         capture = kwargs.pop(CAPTURE_KWARG, None) or ACTIVE_CAPTURE.get()
         if capture is not None:
-            capture.read(module, query, kwargs.get("scaling"))
+            capture.read(module, query, key, kwargs.get("scaling"))
         verify = kwargs.pop(VERIFY_KWARG, None)
         stock = _stock(base, module)
         if verify is not None:  # a verify pass: its kernel, and a full tier that may arrive in chunks

@@ -157,13 +157,13 @@ def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
 
 
 def check_compressor(model: nn.Module, compressor) -> None:
-    """Refuse a compressor that cannot score this model's cache, before any pass: queries cannot score the
-    latents that multi-head latent attention (DeepSeek V2/V3, Kimi, MiniCPM3) keeps in its cache."""
-    if getattr(compressor, "scores_with_queries", False) and getattr(
-        text_config(model), "kv_lora_rank", None
-    ):
+    """Refuse a compressor that cannot score this model's cache, before any pass. Multi-head latent attention
+    (DeepSeek V2/V3, Kimi, MiniCPM3) caches latents: SnapKV and H2O score the keys attention expands from them
+    (`cache/capture.py`), but a kvpress press scores the cache itself, with queries it derives on its own."""
+    if getattr(compressor, "reads_layer_inputs", False) and getattr(text_config(model), "kv_lora_rank", None):
         raise ValueError(
-            f"{type(compressor).__name__} scores tokens with each layer's queries, but {type(model).__name__} "
-            "uses multi-head latent attention: its cache holds compressed latents, which its queries do not score "
-            "directly. Use a compressor that reads the cache alone (streaming_llm, knorm, kivi, quanto, ...)."
+            f"{type(compressor).__name__} scores the cache with queries of its own, but {type(model).__name__} "
+            "uses multi-head latent attention: its cache holds compressed latents, which those queries do not "
+            "score. Use snapkv or h2o (they score the keys attention expands from the latents), or a compressor "
+            "that reads the cache alone (streaming_llm, knorm, kivi, quanto, ...)."
         )

@@ -37,8 +37,10 @@ class QueryCapture:
         self.contexts: dict[int, CompressionContext] = {}
         self._inputs: dict[int, tuple[torch.Tensor, dict]] = {}
 
-    def read(self, module: nn.Module, query: torch.Tensor, scaling: float | None) -> None:
-        """A layer's (B, H_q, q, D) queries, from the wrapped attention."""
+    def read(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        """A layer's (B, H_q, q, D) queries and the keys they attend to, from the wrapped attention. The keys are
+        kept only where the cache holds something else: latent attention (`kv_lora_rank`) caches latents and
+        expands them into keys per pass, so its queries score those keys, not the cache."""
         hidden, kwargs = self._inputs.pop(id(module), (None, {}))
         if self.inputs and hidden is None:
             raise ValueError(
@@ -52,6 +54,7 @@ class QueryCapture:
             model=self.model,
             module=module,
             queries=query,
+            attention_keys=key if getattr(module, "kv_lora_rank", None) else None,
             scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
             hidden_states=hidden,
             attention_kwargs=kwargs,

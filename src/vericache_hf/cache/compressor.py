@@ -20,7 +20,8 @@ class CompressionContext:
     `valid` is (B, T) bool, False on left padding. For compressors that score with queries (`scores_with_queries`),
     `queries` are the layer's (B, H_q, w, D) queries of the prompt's last w positions, exactly as its attention
     received them (after norms and rotary embedding), with the layer's `scaling`, and `module` is the attention
-    layer. Compressors that run code of their own on the layer (`reads_layer_inputs`, kvpress presses) also get its
+    layer. Where the cache holds latents (multi-head latent attention), `attention_keys` are the (B, H_q, T', D)
+    keys attention received, expanded from them, its first T positions those of the cache. Compressors that run code of their own on the layer (`reads_layer_inputs`, kvpress presses) also get its
     input `hidden_states` (B, w, hidden) and `attention_kwargs` (its forward kwargs, `position_embeddings`
     included), and `model`.
     """
@@ -31,6 +32,7 @@ class CompressionContext:
     module: nn.Module | None = None
     queries: torch.Tensor | None = None
     scaling: float | None = None
+    attention_keys: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -52,6 +54,7 @@ class CompressionContext:
         return replace(
             self,
             queries=self.queries.clone() if self.queries is not None else None,
+            attention_keys=self.attention_keys.clone() if self.attention_keys is not None else None,
             hidden_states=self.hidden_states.clone() if self.hidden_states is not None else None,
         )
 

@@ -59,6 +59,8 @@ class ScorerCompressor(Compressor):
         if kept >= length:
             return keys, values, valid
         scores = self.score(keys, values, context).float()
+        if scores.shape[1] != keys.shape[1]:  # scored per query head over latents held in fewer cache heads
+            scores = scores.view(scores.shape[0], keys.shape[1], -1, length).mean(2)
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         indices = scores.topk(kept, dim=-1).indices.sort(dim=-1).values  # (B, H, kept)
         gather = indices.unsqueeze(-1)

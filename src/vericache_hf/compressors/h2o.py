@@ -21,7 +21,7 @@ import torch
 
 from ..checks import check_int
 from .base import CompressionContext, ScorerCompressor
-from .snapkv import window_queries
+from .snapkv import scored_keys, window_queries
 
 
 @dataclass
@@ -45,6 +45,7 @@ class H2OCompressor(ScorerCompressor):
         check_int("H2OCompressor.chunk_size", self.chunk_size, 1)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
+        keys = scored_keys(keys, context)
         length = keys.shape[-2]
         queries = window_queries(context, length).float()  # (B, H_q, T, D)
         valid = context.valid.to(keys.device)

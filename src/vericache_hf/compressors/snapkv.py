@@ -28,6 +28,14 @@ def window_queries(context: CompressionContext, window: int) -> torch.Tensor:
     return context.queries[:, :, -window:]
 
 
+def scored_keys(keys: torch.Tensor, context: CompressionContext) -> torch.Tensor:
+    """The keys the queries score: the cache's own, or where it holds latents (multi-head latent attention), the
+    keys attention expanded from them, over the same positions."""
+    if context.attention_keys is None:
+        return keys
+    return context.attention_keys[:, :, : keys.shape[-2]]
+
+
 @dataclass
 class SnapKVCompressor(ScorerCompressor):
     """Observation-window attention scores, pooled, then top-k per KV head.
@@ -55,6 +63,7 @@ class SnapKVCompressor(ScorerCompressor):
         return self.window_size
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
+        keys = scored_keys(keys, context)
         window = min(self.window_size, keys.shape[-2])
         queries = window_queries(context, window).to(torch.float32)
         valid = context.valid.to(keys.device)
