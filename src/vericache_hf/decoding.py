@@ -23,7 +23,7 @@ from .config import VeriCacheConfig
 from .drafting.draft_model import draft_model
 from .drafting.proposers import build_proposer
 from .handoff import Cohorts, Member
-from .layer_plan import check_compressor, text_config
+from .layer_plan import check_compressor, recurrent_states, stateless_layers, text_config
 from .loop import begin, decode, prefill_prefix, run_round
 from .pass_model import pass_model
 from .passes import DecodeIO, Sequences
@@ -33,7 +33,7 @@ from .schedule.draft_length import draft_length_schedule
 from .schedule.priors import priors_for
 from .schedule.proposal_length import ProposalLength
 from .stats import VeriCacheStats
-from .validation import check_generation, check_model, check_prompt_inputs
+from .validation import check_generation, check_model, check_prompt_inputs, check_shared_state
 
 
 @dataclass
@@ -91,6 +91,7 @@ def generate(
     check_model(model)
     check_generation(model, input_ids, generation_config, model_kwargs)
     prompt_inputs = check_prompt_inputs(model, model_kwargs, config, vericache_cohorts)
+    check_shared_state(model, config, vericache_cohorts, vericache_prefixes)
     streamer = vericache_streamer if vericache_streamer is not None else streamer
     runner = pass_model(
         model
@@ -206,6 +207,8 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         transfers=transfers,
         link_bytes_per_s=config.emulated_link_bytes_per_s,
         timeline=config.timeline,
+        recurrent=recurrent_states(model),
+        stateless=stateless_layers(model),
     )
     return compressor, cache
 
@@ -225,6 +228,7 @@ def warm_prefix(model, input_ids: torch.LongTensor, vericache_config: VeriCacheC
     if config.prefix_store is None:
         raise ValueError("warm_prefix stores into vericache_config.prefix_store; set one (e.g. DiskStore()).")
     check_model(model)
+    check_shared_state(model, config)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"warm_prefix takes one prompt, shaped (1, T); got {tuple(input_ids.shape)}.")
     stats = VeriCacheStats()

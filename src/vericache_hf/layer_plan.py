@@ -2,23 +2,33 @@
 
 A model is served when every decoder layer is self-attention over a KV cache: full attention, a sliding window or
 attention chunks (the window and chunks count token positions, whatever holes ragged acceptance leaves in a row;
-see `window_mask.py`). A layer that carries a recurrent, linear-attention or convolution state is refused with its
-kind named: a draft would advance that state past the tokens the verify pass accepts, and VeriCache keeps no
-per-position copy of it to roll back to.
+see `window_mask.py`), or a layer whose recurrent, linear-attention or convolution state transformers keeps in a
+linear-attention cache layer and whose model hands over the state after each token of a block (past recording):
+VeriCache rolls that state back to each row's accepted tokens (`cache/recurrent.py`). Any other kind is refused
+with its kind named and the reason.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
+from functools import cache
 
 from torch import nn
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .pass_model import attention_layers
 
 #: `config.layer_types` values that are self-attention over a KV cache.
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
 SLIDING_KINDS = {"sliding_attention", "local"}
+#: transformers' layer types whose cache is a linear-attention layer (a recurrent or convolution state, no KV).
+RECURRENT_KINDS = {"linear_attention", "conv"}
+#: Layer types with no attention and no state at all (a feed-forward block alone): nothing to cache.
+STATELESS_KINDS = {"mlp", "moe"}
+#: transformers' layer types that hold attention K/V and a recurrent state side by side.
+_PAIRED_KINDS = {"hybrid", "hybrid_sliding"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,16 @@ class LayerPlan:
 
     @property
     def servable(self) -> bool:
-        return self.kind in ATTENTION_KINDS
+        return self.kind in ATTENTION_KINDS or self.kind in RECURRENT_KINDS or self.kind in STATELESS_KINDS
+
+    @property
+    def recurrent(self) -> bool:
+        return self.kind in RECURRENT_KINDS
+
+    @property
+    def attends(self) -> bool:
+        """Whether the layer is self-attention over a KV cache (the layers with a draft and a full tier)."""
+        return self.kind not in RECURRENT_KINDS and self.kind not in STATELESS_KINDS
 
 
 def text_config(model: nn.Module):
@@ -55,12 +74,55 @@ def _kinds(config, layers: int) -> list[str]:
     return ["full_attention"] * layers
 
 
+def _cache_kinds(config, layers: int) -> list[str] | None:
+    """transformers' own cache layer types, where it has them for this config (recurrent kinds included)."""
+    try:
+        kinds = get_layer_types_and_kwargs(config)[0]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return [str(kind) for kind in kinds] if len(kinds) >= layers else None
+
+
+def recurrent_states(model: nn.Module) -> dict[int, int]:
+    """The decoder layers that keep a recurrent state, each with its number of states (transformers' cache kwargs)."""
+    config = text_config(model)
+    if not any(plan.recurrent for plan in layer_plan(model, strict=False)):
+        return {}
+    kinds, kwargs = get_layer_types_and_kwargs(config)
+    return {
+        index: kwargs[index].get("number_of_states", 1)
+        for index, kind in enumerate(kinds)
+        if kind in RECURRENT_KINDS
+    }
+
+
+def stateless_layers(model: nn.Module) -> set[int]:
+    """The decoder layers with nothing to cache (a feed-forward block without attention)."""
+    return {plan.index for plan in layer_plan(model, strict=False) if plan.kind in STATELESS_KINDS}
+
+
+@cache
+def records_past(module_name: str) -> bool:
+    """Whether a modeling module hands its cache the state after each token of a block when asked (transformers'
+    past recording, which its own speculative decoding uses to roll a hybrid model back)."""
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return False
+    return "get_recurrent_states_to_keep" in source or "is_recording_past" in source
+
+
 def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan. With `strict`, a model VeriCache cannot serve exactly raises a ValueError that
     names the layer kind and what to do instead."""
     config = text_config(model)
     layers = getattr(config, "num_hidden_layers", None) or len(attention_layers(model))
     kinds = _kinds(config, layers)[:layers]
+    cached = _cache_kinds(config, layers)
+    if (
+        cached is not None
+    ):  # a layer transformers caches as a linear-attention state is recurrent, whatever its name
+        kinds = [cached[i] if cached[i] in RECURRENT_KINDS else kind for i, kind in enumerate(kinds)]
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
     plans = []
@@ -86,6 +148,17 @@ _WINDOW_MASKS = (
 
 def refusal_reason(kind: str) -> str:
     """Why VeriCache cannot serve a layer of this kind exactly."""
+    if kind in _PAIRED_KINDS:
+        return (
+            "each such layer holds attention K/V and a recurrent state side by side (transformers' hybrid cache "
+            "layer), and VeriCache's layers hold one or the other"
+        )
+    if kind in RECURRENT_KINDS:
+        return (
+            "its recurrent or convolution state would be advanced by a draft past the accepted tokens, and the "
+            "model's code does not hand over the state after each token of a block (transformers' past recording) "
+            "for VeriCache to roll it back to"
+        )
     if any(word in kind for word in _SECOND_CACHE):
         return (
             "it selects or compresses keys with a cache of its own (an indexer's keys or a compressed KV) beside "
@@ -93,8 +166,8 @@ def refusal_reason(kind: str) -> str:
         )
     if any(word in kind for word in _STATEFUL):
         return (
-            "it keeps a recurrent, linear-attention or convolution state that a draft would advance past the "
-            "accepted tokens, and VeriCache keeps no per-position copy of that state to roll back to"
+            "it keeps a recurrent, linear-attention or convolution state outside transformers' linear-attention "
+            "cache layers, which a draft would advance past the accepted tokens with no copy to roll back to"
         )
     return "VeriCache does not know this layer kind, so it cannot promise exactness for it"
 
@@ -103,6 +176,8 @@ def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
     """Refuse, before any decoding, a model with a layer VeriCache cannot serve exactly."""
     name = type(model).__name__
     odd = sorted({plan.kind for plan in plans if not plan.servable})
+    if not records_past(type(model).__module__):
+        odd = sorted(set(odd) | {plan.kind for plan in plans if plan.recurrent})
     if odd:
         reasons = "; ".join(f"{kind!r}: {refusal_reason(kind)}" for kind in odd)
         raise ValueError(
@@ -130,7 +205,7 @@ def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
             f"VeriCache cannot serve {name}: it has no self-attention layers that read a KV cache through "
             "transformers' Cache (nothing to compress or verify against). Use stock generate() for this model."
         )
-    if len(attention) < len(plans):
+    if len(attention) < sum(1 for plan in plans if plan.attends):
         raise ValueError(
             f"VeriCache cannot serve {name} exactly: only {len(attention)} of its {len(plans)} decoder layers are "
             "self-attention over a KV cache; the others keep a recurrent or convolution state that drafting would "

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 
 from .compat import passed_cache
-from .layer_plan import layer_plan
+from .layer_plan import layer_plan, recurrent_states
 
 
 def check_model(model) -> None:
@@ -113,3 +113,15 @@ def check_prompt_inputs(model, model_kwargs: dict, config, cohorts) -> dict:
             "from stock. Use stock generate() for image inputs with this model, or pass text alone."
         )
     return inputs
+
+
+def check_shared_state(model, config, cohorts=None, prefixes=None) -> None:
+    """Refuse a stored or shared prompt for a model with recurrent layers: a stored prefix and a cohort's rows
+    carry attention K/V alone, and a recurrent layer's state after a prefix is not made of them."""
+    layers = sorted(recurrent_states(model))
+    if layers and (config.prefix_store is not None or cohorts is not None or prefixes is not None):
+        raise ValueError(
+            f"{type(model).__name__} keeps a recurrent state in layers {layers}, which VeriCache's prefix stores "
+            "and cohorts do not carry (they hold attention K/V). Drop prefix_store, or call generate directly "
+            "rather than through VeriCacheEngine, for this model."
+        )

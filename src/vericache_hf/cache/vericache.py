@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from ..attention import ACTIVE_CAPTURE, CAPTURE_KWARG
 from ..checks import check_int
@@ -43,6 +43,7 @@ from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore
 from .full_tier import HostKVStore
+from .recurrent import RecurrentLayer
 from .refresh import RefreshClock, RefreshPolicy, check_refreshable, compress_prompt, refresh_draft_layer
 from .staging import buffer_tokens
 from .transfer import LayerTransfer, TransferEngine
@@ -209,6 +210,8 @@ class VeriCache(Cache):
         timeline: Timeline | None = None,
         staging_chunk_tokens: int | None = 3072,
         verify_attention: str = "auto",
+        recurrent: dict[int, int] | None = None,
+        stateless: set[int] | None = None,
     ) -> None:
         if staging_chunk_tokens is not None:
             check_int("staging_chunk_tokens", staging_chunk_tokens)
@@ -248,7 +251,24 @@ class VeriCache(Cache):
         self._layer_ready: list[threading.Event] = []
         self._layer_loaded: list[bool] = []
         self._load_timeout = 60.0
-        super().__init__(layers=[VeriCacheLayer(i, self) for i in range(num_layers)])
+        recurrent, stateless = recurrent or {}, stateless or set()
+        super().__init__(
+            layers=[
+                RecurrentLayer(i, recurrent[i])
+                if i in recurrent
+                else DummyLayer()
+                if i in stateless
+                else VeriCacheLayer(i, self)
+                for i in range(num_layers)
+            ]
+        )
+        #: the attention layers, each a draft tier and a full tier; the others keep one recurrent state each
+        self.tiered: list[VeriCacheLayer] = [
+            layer for layer in self.layers if isinstance(layer, VeriCacheLayer)
+        ]
+        self.recurrent: list[RecurrentLayer] = [
+            layer for layer in self.layers if isinstance(layer, RecurrentLayer)
+        ]
 
     # -- phases --------------------------------------------------------------------------------------------------
     @contextmanager
@@ -282,16 +302,16 @@ class VeriCache(Cache):
         )
         with self._phase("prefilling", "idle"), self.capturing(capture):
             yield
-        missed = [layer.layer_idx for layer in self.layers if layer.prompt_kv is not None]
+        missed = [layer.layer_idx for layer in self.tiered if layer.prompt_kv is not None]
         if missed:
-            for layer in self.layers:
+            for layer in self.tiered:
                 layer.prompt_kv = None
             raise ValueError(
                 f"{type(self.compressor).__name__} scores tokens with each layer's queries, but layers {missed} "
                 "did not pass theirs through transformers' attention interface. Use a compressor that reads K/V "
                 "alone (streaming_llm, knorm, kivi, ...) with this model."
             )
-        if 0 < len(self._unbuilt()) < len(self.layers):
+        if 0 < len(self._unbuilt()) < len(self.tiered):
             # a model split between an accelerator and the CPU: the CPU layers deferred, the others compressed; a
             # draft pass needs every layer's draft tier over the same tokens, so the rest are built from the prompt
             self.build_draft_tier()
@@ -335,10 +355,10 @@ class VeriCache(Cache):
         (`Compressor.queries_read`)."""
         if self.full_valid is not None or self.seeded_tokens:
             raise RuntimeError("seed_prefix comes before the prefill; create a new cache for a new prompt.")
-        if len(layers) != len(self.layers):
-            raise ValueError(f"got a prefix of {len(layers)} layers for {len(self.layers)} layers")
+        if len(layers) != len(self.tiered):
+            raise ValueError(f"got a prefix of {len(layers)} layers for {len(self.tiered)} layers")
         length = sum(keys.shape[-2] for keys, _ in layers[0])
-        for layer, pieces in zip(self.layers, layers, strict=True):
+        for layer, pieces in zip(self.tiered, layers, strict=True):
             layer.full.reserve(length, *pieces[0])
             for keys, values in pieces:
                 layer.full.append(keys, values)
@@ -355,9 +375,9 @@ class VeriCache(Cache):
         `full_tier_loaded()`."""
         if self.full_valid is not None:
             raise RuntimeError("adopt_prefix replaces the prefill; create a new cache for a new prompt.")
-        if len(drafts) != len(self.layers):
-            raise ValueError(f"got {len(drafts)} draft tiers for {len(self.layers)} layers")
-        for layer, draft in zip(self.layers, drafts, strict=True):
+        if len(drafts) != len(self.tiered):
+            raise ValueError(f"got {len(drafts)} draft tiers for {len(self.tiered)} layers")
+        for layer, draft in zip(self.tiered, drafts, strict=True):
             layer.draft = draft
             layer.lazy_initialization(like, like)  # the K/V dtype and device, as a prefill sets them
         batch = drafts[0].valid.shape[0]
@@ -366,6 +386,14 @@ class VeriCache(Cache):
         self._layer_ready = [threading.Event() for _ in self.layers]
         self._layer_loaded = [False] * len(self.layers)
         self._load_timeout = timeout
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Slots held by attention layer `layer_idx`; a recurrent or stateless layer has none, and answers for the
+        first attention layer (what transformers asks layer 0 about is the sequence)."""
+        if layer_idx >= len(self.layers):
+            return 0
+        layer = self.layers[layer_idx]
+        return (layer if isinstance(layer, VeriCacheLayer) else self.tiered[0]).get_seq_length()
 
     def rows_changed(self, valid: torch.Tensor) -> None:
         """Rows joined or left between rounds (`rows.py` rewrote each layer's tiers): `valid` (B, T) marks the full
@@ -394,11 +422,11 @@ class VeriCache(Cache):
 
     def reads_in_place(self) -> bool:
         """Every layer reads its full tier on the host, in place (known after the first forward)."""
-        return all(layer.is_initialized and layer.reads_in_place for layer in self.layers)
+        return all(layer.is_initialized and layer.reads_in_place for layer in self.tiered)
 
     def full_tier_loaded(self) -> None:
         """The loader `adopt_prefix` left the full tier to is done: verify passes may read it."""
-        lengths = {layer.full.length for layer in self.layers}
+        lengths = {layer.full.length for layer in self.tiered}
         if lengths != {self.full_valid.shape[-1]}:
             raise RuntimeError(
                 f"the full tier holds {sorted(lengths)} tokens per layer, the adopted prefix {self.full_valid.shape[-1]}"
@@ -428,7 +456,7 @@ class VeriCache(Cache):
         return not self._unbuilt()
 
     def _unbuilt(self) -> list[VeriCacheLayer]:
-        return [layer for layer in self.layers if layer.draft is None]
+        return [layer for layer in self.tiered if layer.draft is None]
 
     @property
     def draft_tier_rebuildable(self) -> bool:
@@ -443,7 +471,7 @@ class VeriCache(Cache):
         if self.phase != "idle":
             raise RuntimeError(f"VeriCache cannot free its draft tier while {self.phase}.")
         self.stats.draft_tier_bytes = max(self.stats.draft_tier_bytes, self.draft_tier_bytes())
-        for layer in self.layers:
+        for layer in self.tiered:
             layer.draft = None
         self.stats.draft_tier_frees += 1
 
@@ -501,7 +529,9 @@ class VeriCache(Cache):
                 "the draft tier is not built (deferred at prefill, or freed); call build_draft_tier() before drafting."
             )
         self.prefetch(room=draft_length + 1)
-        self._draft_dense = bool(self.layers[0].draft.valid.all())
+        self._draft_dense = bool(self.tiered[0].draft.valid.all())
+        for layer in self.recurrent:
+            layer.save()
         try:
             with self._phase("drafting", "idle"):
                 yield
@@ -510,22 +540,24 @@ class VeriCache(Cache):
             raise
         finally:
             self._draft_valid = None
-            for layer in self.layers:
+            for layer in self.tiered:
                 layer.draft.rollback_draft()
+            for layer in self.recurrent:
+                layer.restore()
 
     def keep_drafted(self, valid: torch.Tensor) -> None:
         """Mask drafted slots a row does not keep. `valid` (B, q) covers the last q drafted slots (a multi-token
         draft pass whose tail a row rejected); slots never marked count as kept. Drafting only."""
         if self.phase != "drafting":
             raise RuntimeError("keep_drafted marks draft slots; call it inside drafting().")
-        drafted, query = self.layers[0].draft.num_drafted, valid.shape[-1]
+        drafted, query = self.tiered[0].draft.num_drafted, valid.shape[-1]
         marks = self._draft_marks(drafted - query)
         self._draft_valid = torch.cat([marks, valid.to(marks.device, torch.bool)], dim=-1)
         self._draft_dense = self._draft_dense and bool(valid.all())
 
     def _draft_marks(self, slots: int) -> torch.Tensor:
         """(B, slots) validity of the first `slots` drafted slots."""
-        committed = self.layers[0].draft.valid
+        committed = self.tiered[0].draft.valid
         marks = (
             self._draft_valid
             if self._draft_valid is not None
@@ -545,14 +577,18 @@ class VeriCache(Cache):
         if self._round is None or self._stale():
             self.prefetch()
         self._verify_pass = self.verify_pass()
+        for layer in self.recurrent:
+            layer.record()
         try:
             with self._phase("verifying", "idle"):
                 yield
             self._check_served()
             self._record_round()
         except BaseException:
-            for layer in self.layers:
+            for layer in self.tiered:
                 layer.pending = None
+            for layer in self.recurrent:
+                layer.restore()
             raise
         finally:
             self._verify_pass = None
@@ -561,7 +597,7 @@ class VeriCache(Cache):
     def verify_pass(self) -> VerifyPass:
         """What the coming verify pass hands its attention layers: the kernel for the layers' device, whether every
         row's slots are real (a plain lower-right causal block), and the streamed layers' chunks."""
-        device = self.layers[0].device if self.layers[0].is_initialized else torch.device("cpu")
+        device = self.tiered[0].device if self.tiered[0].is_initialized else torch.device("cpu")
         return VerifyPass(
             kernel=resolve_kernel(self.verify_attention, device),
             dense=self._full_dense,
@@ -579,9 +615,11 @@ class VeriCache(Cache):
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
         """Commit the first `count` tokens of the last verify pass; `valid` (B, count) masks the ones a row rejected."""
-        if self.layers[0].pending is None:
+        if self.tiered[0].pending is None:
             raise RuntimeError("commit follows a verify pass; there is nothing to commit.")
-        for layer in self.layers:
+        for layer in self.tiered:
+            layer.commit(count, valid)
+        for layer in self.recurrent:
             layer.commit(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)
         self._full_dense = self._full_dense and bool(valid.all())
@@ -593,7 +631,7 @@ class VeriCache(Cache):
         if self.phase == "drafting":
             if self._draft_dense:
                 return None
-            draft = self.layers[0].draft
+            draft = self.tiered[0].draft
             committed = torch.cat([draft.valid, self._draft_marks(draft.num_drafted)], dim=-1)
         else:
             if self._full_dense:
@@ -603,23 +641,23 @@ class VeriCache(Cache):
         return torch.cat([committed.to(fresh.device), fresh], dim=-1).long()
 
     def draft_tier_bytes(self) -> int:
-        return sum(layer.draft.nbytes() for layer in self.layers if layer.draft is not None)
+        return sum(layer.draft.nbytes() for layer in self.tiered if layer.draft is not None)
 
     def full_tier_bytes(self) -> int:
-        return sum(layer.full.nbytes() for layer in self.layers)
+        return sum(layer.full.nbytes() for layer in self.tiered)
 
     # -- streaming the full tier ---------------------------------------------------------------------------------
     def prefetch(self, room: int = DEFAULT_ROOM) -> None:
         """Queue every staged layer's full tier for the next verify pass, with `room` slots for its new tokens.
         Layers that read their full tier in place need no transfer."""
-        if not self.layers[0].full.length or self.full_tier_loading:
+        if not self.tiered[0].full.length or self.full_tier_loading:
             return
         if self._round is not None and not self._stale():
             return
         self.end_round()
         self._round = {
             layer.layer_idx: self._submit_layer(layer, room)
-            for layer in self.layers
+            for layer in self.tiered
             if not layer.reads_in_place
         }
         self._streamed = {index for index, transfers in self._round.items() if transfers[0].end is not None}
