@@ -103,3 +103,52 @@ def test_latent_scores_reduce_to_the_cache_heads():
     indices = scores.topk(length // 2, dim=-1).indices.sort(-1).values[0]
     assert torch.equal(kept[0, 0], latents[0, 0, indices])
     assert torch.equal(kept_rope[0, 0], rope[0, 0, indices])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_probabilities_a_layer_returns_score_as_its_queries_do(name):
+    """A layer that attends inline hands over its attention probabilities instead of its queries; SnapKV and H2O
+    keep the same tokens from either."""
+    from vericache_hf.cache.capture import QueryCapture
+    from vericache_hf.compressors import build_compressor
+
+    torch.manual_seed(0)
+    batch, heads, length, dim = 2, 4, 40, 8
+    queries = torch.randn(batch, heads, length, dim, dtype=torch.float64)
+    keys = torch.randn(batch, heads, length, dim, dtype=torch.float64)
+    values = torch.randn_like(keys)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, :7] = False  # left padding
+    logits = (queries @ keys.transpose(-1, -2)) * dim**-0.5
+    allowed = torch.ones(length, length, dtype=torch.bool).tril() & valid[:, None, None, :]
+    probabilities = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+    compressor = build_compressor(name, 0.5, None, **({"window_size": 8} if name == "snapkv" else {}))
+
+    class Layer(torch.nn.Module):
+        layer_idx = 0
+
+    kept = {}
+    for source in ("queries", "probabilities"):
+        capture = QueryCapture(valid, last=compressor.queries_read)
+        if source == "queries":
+            capture.read(Layer(), queries, keys, dim**-0.5)
+        else:
+            capture.read_probabilities(Layer(), probabilities)
+        kept[source] = compressor.select(keys, values, capture.pop(0))[0]
+    assert torch.equal(kept["queries"], kept["probabilities"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_neox_japanese", "xglm"])
+def test_query_scoring_serves_layers_that_attend_inline(family):
+    torch.set_num_threads(1)
+    model = tiny_model(family)
+    model = model.to(torch.float64 if family == "gpt_neox_japanese" else torch.float32)
+    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    expected = model.generate(**prompts(3), **kwargs)
+    for name in ("snapkv", "h2o"):
+        config = vericache_hf.VeriCacheConfig(
+            compressor=name, compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
+        )
+        got = model.generate(**prompts(3), generation_mode="vericache", vericache_config=config, **kwargs)
+        assert torch.equal(got, expected), name

@@ -99,6 +99,7 @@ def test_hybrid_is_exact_where_drafts_are_rejected(hybrid, batch, compressor):
     assert 0 < stats.accepted_tokens < stats.drafted_tokens, (
         "rounds must accept some drafts and reject others"
     )
+    assert stats.recurrent_state_bytes > 0  # counted as device memory
 
 
 def test_hybrid_with_prompt_lookup_is_exact(hybrid):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .attention import base_name, wrappable, wrapped_name
-from .cache.capture import record_layer_input
+from .cache.capture import record_layer_input, record_probabilities
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -101,7 +101,8 @@ def shared_copy(model: nn.Module, memo: dict[int, object] | None = None) -> nn.M
 
 def wrapped_copy(model: nn.Module) -> nn.Module:
     """A shared copy whose decoder configs name the wrapped attention of their own implementation, and whose
-    attention layers hand their input to a pass's capture (`cache/capture.py`)."""
+    attention layers hand their input, and the probabilities a layer attending inline returns, to a pass's capture
+    (`cache/capture.py`)."""
     copied = shared_copy(model)
     set_attention(copied, None)
     for module in copied.modules():  # hooks on the model when it was copied are its user's, not the passes'
@@ -115,6 +116,7 @@ def wrapped_copy(model: nn.Module) -> nn.Module:
             hooks.clear()
     for module in attention_layers(copied):
         module.register_forward_pre_hook(record_layer_input, with_kwargs=True)
+        module.register_forward_hook(record_probabilities, with_kwargs=True)
     return copied
 
 

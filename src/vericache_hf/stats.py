@@ -21,7 +21,8 @@ class VeriCacheStats:
     place), `bytes_to_host` the exact K/V written to the full tier (the prompt, then only newly accepted tokens). `transfer_seconds` is the time the copies took,
     `transfer_wait_seconds` the time the verify pass waited on them; the rest was hidden behind drafting and
     compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
-    (the full tier's layer buffers) are device memory; `full_tier_bytes` is host memory. `compress_seconds` is the
+    (the full tier's layer buffers) are device memory, and so is `recurrent_state_bytes` (a hybrid model's recurrent
+    layers: one exact state per row, read by draft and verify passes alike); `full_tier_bytes` is host memory. `compress_seconds` is the
     compressor's time: at prefill (a share of `prefill_seconds`), in refreshes and in builds.
 
     Drafting: `draft_forwards` counts draft-tier passes (one per drafted token without a proposer). With a proposer
@@ -56,6 +57,7 @@ class VeriCacheStats:
     bytes_to_host: int = 0
     draft_tier_bytes: int = 0
     full_tier_bytes: int = 0
+    recurrent_state_bytes: int = 0
     chunk_transfers: int = 0
     transfer_seconds: float = 0.0
     transfer_wait_seconds: float = 0.0

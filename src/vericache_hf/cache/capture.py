@@ -36,11 +36,13 @@ class QueryCapture:
         self.valid, self.model, self.last, self.inputs, self.on_layer = valid, model, last, inputs, on_layer
         self.contexts: dict[int, CompressionContext] = {}
         self._inputs: dict[int, tuple[torch.Tensor, dict]] = {}
+        self._read: set[int] = set()  # layers whose queries reached `read` in this pass
 
     def read(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         """A layer's (B, H_q, q, D) queries and the keys they attend to, from the wrapped attention. The keys are
         kept only where the cache holds something else: latent attention (`kv_lora_rank`) caches latents and
         expands them into keys per pass, so its queries score those keys, not the cache."""
+        self._read.add(id(module))
         hidden, kwargs = self._inputs.pop(id(module), (None, {}))
         if self.inputs and hidden is None:
             raise ValueError(
@@ -61,10 +63,26 @@ class QueryCapture:
         )
         if self.last is not None and self.last < query.shape[2]:
             context = context.at_positions(slice(-self.last, None))
+        self._hand_over(context)
+
+    def read_probabilities(self, module: nn.Module, probabilities: torch.Tensor) -> None:
+        """A layer's (B, H_q, q, T) attention probabilities, as a layer that attends inline returns them: kept as the
+        attention each key received from the real queries the capture reads, for a layer whose queries never
+        reached `read`."""
+        if id(module) in self._read or self.inputs:
+            return
+        rows = probabilities.shape[2] if self.last is None else min(self.last, probabilities.shape[2])
+        real = self.valid[:, -rows:].to(probabilities.device, probabilities.dtype)
+        received = torch.einsum("bhqt,bq->bht", probabilities[:, :, -rows:].float(), real.float())
+        self._hand_over(
+            CompressionContext(module.layer_idx, self.valid, self.model, module, attention_received=received)
+        )
+
+    def _hand_over(self, context: CompressionContext) -> None:
         if self.on_layer is not None:
             self.on_layer(context)
         else:
-            self.contexts[module.layer_idx] = context
+            self.contexts[context.layer_idx] = context
 
     def record_input(self, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """A layer's input and attention kwargs, from the pass model's pre-hook (only kept when `inputs`)."""
@@ -74,6 +92,24 @@ class QueryCapture:
 
     def pop(self, layer_idx: int) -> CompressionContext | None:
         return self.contexts.pop(layer_idx, None)
+
+
+def record_probabilities(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    """Forward hook of the pass model's attention layers: hands the attention probabilities a layer that attends
+    inline returns (its second output, (B, H, q, T)) to a pass's capture."""
+    capture = kwargs.get(CAPTURE_KWARG) or ACTIVE_CAPTURE.get()
+    if capture is None or not isinstance(output, tuple) or len(output) < 2:
+        return
+    probabilities = output[1]
+    hidden = output[0]
+    if (
+        isinstance(probabilities, torch.Tensor)
+        and probabilities.dim() == 4
+        and isinstance(hidden, torch.Tensor)
+        and probabilities.shape[0] == hidden.shape[0]
+        and probabilities.shape[2] == hidden.shape[1]
+    ):
+        capture.read_probabilities(module, probabilities)
 
 
 def record_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:

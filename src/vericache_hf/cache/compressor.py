@@ -21,7 +21,11 @@ class CompressionContext:
     `queries` are the layer's (B, H_q, w, D) queries of the prompt's last w positions, exactly as its attention
     received them (after norms and rotary embedding), with the layer's `scaling`, and `module` is the attention
     layer. Where the cache holds latents (multi-head latent attention), `attention_keys` are the (B, H_q, T', D)
-    keys attention received, expanded from them, its first T positions those of the cache. Compressors that run code of their own on the layer (`reads_layer_inputs`, kvpress presses) also get its
+    keys attention received, expanded from them, its first T positions those of the cache. Where a layer computes
+    attention inline rather than through transformers' attention interface (Bloom, MPT, XGLM, ...), its queries are
+    out of reach, but the attention probabilities it returns are not: `attention_received` (B, H_q, T) is then the
+    attention each key received, summed over the real queries read (the prompt's last w, or all of a pass).
+    Compressors that run code of their own on the layer (`reads_layer_inputs`, kvpress presses) also get its
     input `hidden_states` (B, w, hidden) and `attention_kwargs` (its forward kwargs, `position_embeddings`
     included), and `model`.
     """
@@ -33,11 +37,13 @@ class CompressionContext:
     queries: torch.Tensor | None = None
     scaling: float | None = None
     attention_keys: torch.Tensor | None = None
+    attention_received: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def at_positions(self, index: slice) -> CompressionContext:
-        """This context cut to the pass positions `index`: its queries, inputs and rotary embeddings (views)."""
+        """This context cut to the pass positions `index`: its queries, inputs and rotary embeddings (views). Attention
+        already summed over queries (`attention_received`) stays whole: it scores with every query the pass read."""
         kwargs = dict(self.attention_kwargs)
         if "position_embeddings" in kwargs:
             cos, sin = kwargs["position_embeddings"]
@@ -55,6 +61,9 @@ class CompressionContext:
             self,
             queries=self.queries.clone() if self.queries is not None else None,
             attention_keys=self.attention_keys.clone() if self.attention_keys is not None else None,
+            attention_received=self.attention_received.clone()
+            if self.attention_received is not None
+            else None,
             hidden_states=self.hidden_states.clone() if self.hidden_states is not None else None,
         )
 

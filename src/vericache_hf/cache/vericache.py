@@ -308,8 +308,9 @@ class VeriCache(Cache):
                 layer.prompt_kv = None
             raise ValueError(
                 f"{type(self.compressor).__name__} scores tokens with each layer's queries, but layers {missed} "
-                "did not pass theirs through transformers' attention interface. Use a compressor that reads K/V "
-                "alone (streaming_llm, knorm, kivi, ...) with this model."
+                "did not pass theirs through transformers' attention interface, nor return their attention "
+                "probabilities. Use a compressor that reads K/V alone (streaming_llm, knorm, kivi, ...) with this "
+                "model."
             )
         if 0 < len(self._unbuilt()) < len(self.tiered):
             # a model split between an accelerator and the CPU: the CPU layers deferred, the others compressed; a
@@ -642,6 +643,9 @@ class VeriCache(Cache):
 
     def draft_tier_bytes(self) -> int:
         return sum(layer.draft.nbytes() for layer in self.tiered if layer.draft is not None)
+
+    def recurrent_state_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.recurrent)
 
     def full_tier_bytes(self) -> int:
         return sum(layer.full.nbytes() for layer in self.tiered)

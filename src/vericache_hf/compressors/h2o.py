@@ -21,7 +21,7 @@ import torch
 
 from ..checks import check_int
 from .base import CompressionContext, ScorerCompressor
-from .snapkv import scored_keys, window_queries
+from .snapkv import received_attention, scored_keys, window_queries
 
 
 @dataclass
@@ -45,12 +45,16 @@ class H2OCompressor(ScorerCompressor):
         check_int("H2OCompressor.chunk_size", self.chunk_size, 1)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
-        keys = scored_keys(keys, context)
-        length = keys.shape[-2]
-        queries = window_queries(context, length).float()  # (B, H_q, T, D)
-        valid = context.valid.to(keys.device)
-        accumulate = _accumulated_flash if keys.device.type == "cpu" else self._accumulated_chunked
-        scores = accumulate(queries, keys.float(), valid, context.scaling)
+        scores = received_attention(
+            context, keys
+        )  # a layer attending inline: summed over its queries already
+        if scores is None:
+            keys = scored_keys(keys, context)
+            length = keys.shape[-2]
+            queries = window_queries(context, length).float()  # (B, H_q, T, D)
+            valid = context.valid.to(keys.device)
+            accumulate = _accumulated_flash if keys.device.type == "cpu" else self._accumulated_chunked
+            scores = accumulate(queries, keys.float(), valid, context.scaling)
         if self.recent_size:
             scores[..., -self.recent_size :] = scores.max() + 1
         return scores

@@ -28,6 +28,18 @@ def window_queries(context: CompressionContext, window: int) -> torch.Tensor:
     return context.queries[:, :, -window:]
 
 
+def received_attention(context: CompressionContext, keys: torch.Tensor) -> torch.Tensor | None:
+    """(B, H_kv, T) attention each cached key received from the queries a layer that attends inline used, summed
+    over them and over the query heads sharing its KV head (`CompressionContext.attention_received`); None where
+    the queries themselves were captured."""
+    received = context.attention_received
+    if received is None or context.queries is not None:
+        return None
+    batch, heads, _ = received.shape
+    kv_heads, length = keys.shape[1], keys.shape[-2]
+    return received[..., :length].reshape(batch, kv_heads, heads // kv_heads, length).sum(2).to(keys.device)
+
+
 def scored_keys(keys: torch.Tensor, context: CompressionContext) -> torch.Tensor:
     """The keys the queries score: the cache's own, or where it holds latents (multi-head latent attention), the
     keys attention expanded from them, over the same positions."""
@@ -63,11 +75,13 @@ class SnapKVCompressor(ScorerCompressor):
         return self.window_size
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
-        keys = scored_keys(keys, context)
         window = min(self.window_size, keys.shape[-2])
-        queries = window_queries(context, window).to(torch.float32)
-        valid = context.valid.to(keys.device)
-        scores = window_attention(queries, keys.to(torch.float32), valid, context.scaling)
+        scores = received_attention(context, keys)
+        if scores is None:
+            keys = scored_keys(keys, context)
+            queries = window_queries(context, window).to(torch.float32)
+            valid = context.valid.to(keys.device)
+            scores = window_attention(queries, keys.to(torch.float32), valid, context.scaling)
         scores = F.avg_pool1d(scores, self.kernel_size, stride=1, padding=self.kernel_size // 2)
         scores[..., -window:] = scores.max() + 1  # the observation window is always kept
         return scores
