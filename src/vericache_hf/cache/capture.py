@@ -11,7 +11,9 @@ Nothing here is shared between calls: the capture is per pass, and another threa
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from functools import cache
 
 import torch
 from torch import nn
@@ -69,7 +71,7 @@ class QueryCapture:
         """A layer's (B, H_q, q, T) attention probabilities, as a layer that attends inline returns them: kept as the
         attention each key received from the real queries the capture reads, for a layer whose queries never
         reached `read`."""
-        if id(module) in self._read or self.inputs:
+        if id(module) in self._read or not self.reads_probabilities:
             return
         rows = probabilities.shape[2] if self.last is None else min(self.last, probabilities.shape[2])
         real = self.valid[:, -rows:].to(probabilities.device, probabilities.dtype)
@@ -84,6 +86,12 @@ class QueryCapture:
         else:
             self.contexts[context.layer_idx] = context
 
+    @property
+    def reads_probabilities(self) -> bool:
+        """Whether a layer that attends inline is to hand over its attention probabilities (query-scoring
+        compressors that do not run code of their own on the layer)."""
+        return not self.inputs
+
     def record_input(self, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> None:
         """A layer's input and attention kwargs, from the pass model's pre-hook (only kept when `inputs`)."""
         if self.inputs:
@@ -94,12 +102,31 @@ class QueryCapture:
         return self.contexts.pop(layer_idx, None)
 
 
-def record_probabilities(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+@cache
+def _probabilities_argument(module_type: type) -> int | None:
+    """The position of `output_attentions` among an attention layer's forward arguments (after `self`), where it
+    takes one itself: a layer that attends inline returns its probabilities when asked (layers that call
+    transformers' attention interface take `**kwargs` instead)."""
+    names = list(inspect.signature(module_type.forward).parameters)
+    return names.index("output_attentions") - 1 if "output_attentions" in names else None
+
+
+def _asking_for_probabilities(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    position = _probabilities_argument(type(module))
+    if position is None:
+        return None
+    if position < len(args):
+        return (*args[:position], True, *args[position + 1 :]), kwargs
+    return args, {**kwargs, "output_attentions": True}
+
+
+def record_probabilities(module: nn.Module, args: tuple, kwargs: dict, output):
     """Forward hook of the pass model's attention layers: hands the attention probabilities a layer that attends
-    inline returns (its second output, (B, H, q, T)) to a pass's capture."""
+    inline returns (its second output, (B, H, q, T)) to a pass's capture, and returns the output without them
+    (no VeriCache pass reads attentions, and the layer above would carry them on)."""
     capture = kwargs.get(CAPTURE_KWARG) or ACTIVE_CAPTURE.get()
     if capture is None or not isinstance(output, tuple) or len(output) < 2:
-        return
+        return None
     probabilities = output[1]
     hidden = output[0]
     if (
@@ -110,10 +137,15 @@ def record_probabilities(module: nn.Module, args: tuple, kwargs: dict, output) -
         and probabilities.shape[2] == hidden.shape[1]
     ):
         capture.read_probabilities(module, probabilities)
+        return (hidden, None, *output[2:])
+    return None
 
 
-def record_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the pass model's attention layers: hands the layer's input to a pass's capture."""
+def record_layer_input(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of the pass model's attention layers: hands the layer's input to a pass's capture, and asks
+    a layer that returns its attention probabilities only on request for them (`record_probabilities`)."""
     capture = kwargs.get(CAPTURE_KWARG) or ACTIVE_CAPTURE.get()
-    if capture is not None:
-        capture.record_input(module, args[0] if args else kwargs["hidden_states"], kwargs)
+    if capture is None:
+        return None
+    capture.record_input(module, args[0] if args else kwargs["hidden_states"], kwargs)
+    return _asking_for_probabilities(module, args, kwargs) if capture.reads_probabilities else None

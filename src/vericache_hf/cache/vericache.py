@@ -302,6 +302,15 @@ class VeriCache(Cache):
         )
         with self._phase("prefilling", "idle"), self.capturing(capture):
             yield
+        held = sorted({layer.full.length for layer in self.tiered if layer.is_initialized})
+        if held and held != [self.prompt_valid.shape[-1]] and not self.full_tier_loading:
+            for layer in self.tiered:
+                layer.prompt_kv = None
+            raise ValueError(
+                f"the model cached {held} tokens per layer for a {self.prompt_valid.shape[-1]}-token prompt: it adds "
+                "tokens of its own to the cache, which VeriCache's masks and positions do not count. Use stock "
+                "generate() for this model."
+            )
         missed = [layer.layer_idx for layer in self.tiered if layer.prompt_kv is not None]
         if missed:
             for layer in self.tiered:
