@@ -2,7 +2,7 @@
 every row of a batch keeps the batch's fewest accepted drafts each round, so no row gets masked slots and each row
 sits at the position stock `generate` gives it. Greedy output equals stock's on a left-padded batch whose rows accept
 different counts, sampled output is distributed as stock's, and the rule itself keeps speculative sampling's
-distribution when another row sets the count."""
+distribution when another row sets the count. Requests of such a model cannot share a cohort's passes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import BartConfig, BartForCausalLM, PegasusConfig, PegasusForCausalLM
 
-from vericache_hf import VeriCacheConfig, VeriCacheStats
+from vericache_hf import VeriCacheConfig, VeriCacheEngine, VeriCacheStats
 from vericache_hf.accept import accept_uniformly, speculative_accept
 from vericache_hf.passes import counts_positions_from_cache
 from vericache_tools import families
@@ -139,6 +139,19 @@ def test_finished_rows_do_not_set_the_count():
     cut, same = accept_uniformly(accepted, tokens, [0, 2, 3])
     assert cut.tolist() == [2, 0, 2, 2] and torch.equal(same, tokens)
     assert accept_uniformly(accepted, tokens, [])[0].tolist() == [3, 0, 2, 5]
+
+
+def test_cohorts_are_refused_for_such_a_model_and_requests_alone_are_exact():
+    model = causal_decoder("bart")
+    with pytest.raises(ValueError, match="counts positions from its cache's length.*cohort_size=1"):
+        VeriCacheEngine(model, VeriCacheConfig(**DRAFTING), do_sample=False)
+    prompts = [random_prompt(30 + 7 * i, seed=40 + i)[0].tolist() for i in range(2)]
+    with VeriCacheEngine(model, VeriCacheConfig(**DRAFTING), cohort_size=1, do_sample=False) as engine:
+        ids = engine.add_requests(prompts, max_new_tokens=16)
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+            got = engine.get_result(request_id, timeout=120).generated_tokens
+            assert got == expected[0, len(prompt) :].tolist()
 
 
 def test_a_model_passing_positions_on_to_a_rotary_decoder_counts_padding_as_stock_does():
