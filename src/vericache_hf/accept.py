@@ -2,6 +2,7 @@
 
 Both rules return `(accepted, tokens)`: `accepted` (B,) counts each row's leading drafts kept, and `tokens` (B, k+1)
 holds what the row emits, `tokens[b, :accepted[b] + 1]` (the kept drafts, then a bonus or correction token).
+`accept_uniformly` then cuts every row to the batch's fewest, for models whose rows must grow alike.
 """
 
 from __future__ import annotations
@@ -68,6 +69,26 @@ def speculative_accept(
     tokens = torch.cat([drafts, last[:, None]], dim=-1)
     tokens[rows, accepted] = last
     return accepted, tokens
+
+
+def accept_uniformly(
+    accepted: torch.Tensor, tokens: torch.Tensor, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rule's `(accepted, tokens)` with every row cut to m drafts, the fewest that any of `rows` (the rows still
+    generating) kept: the rule for a model that numbers a pass's tokens from its cache's length, where rows that grew
+    by different counts would sit at other positions than stock `generate` gives them. Rows not in `rows` are cut
+    too; they emit nothing.
+
+    The tokens stay as the rule chose them. A row that kept more than m drafts emits its first m, then its own draft
+    m, which the rule accepted: under greedy that is the verifier's argmax, and under sampling it is what speculative
+    sampling emits at m. A row that kept exactly m emits its bonus or correction token. Sampling stays exact because
+    whether a row's token at position j is emitted depends on its drafts before j and on the other rows, never on
+    that token. A fresh draw from the verifier at m would not be exact: the accepted draft carries the share
+    min(p, q) of the verifier's distribution that the residual leaves out.
+    """
+    if not rows:
+        return accepted, tokens
+    return accepted.clamp(max=int(accepted[rows].min())), tokens
 
 
 def proposal_accept(

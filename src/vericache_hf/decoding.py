@@ -26,7 +26,7 @@ from .handoff import Cohorts, Member
 from .layer_plan import check_compressor, recurrent_states, stateless_layers, text_config
 from .loop import begin, decode, prefill_prefix, run_round
 from .pass_model import pass_model
-from .passes import DecodeIO, Sequences
+from .passes import DecodeIO, Sequences, counts_positions_from_cache
 from .prefix.reuse import PrefixReuse
 from .prefix.writer import flush
 from .schedule.draft_length import draft_length_schedule
@@ -120,6 +120,7 @@ def generate(
         timeline=config.timeline,
         prompt_inputs=prompt_inputs,
         drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
+        positions_from_cache=counts_positions_from_cache(model),
     )
     priors, settings = priors_for(model), _schedule_key(config, input_ids, proposer)
     schedule = draft_length_schedule(

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from .accept import choose, greedy_accept, speculative_accept
+from .accept import accept_uniformly, choose, greedy_accept, speculative_accept
 from .cache.capture import QueryCapture
 from .cache.refresh import rescore_draft_tier, rescores
 from .cache.vericache import PrefixNotLoaded, VeriCache
@@ -35,6 +35,7 @@ from .passes import DecodeIO, Sequences, emit, forward, process
 from .prefix.reuse import PrefixReuse
 from .schedule.draft_length import DraftLengthSchedule
 from .schedule.proposal_length import bounding_rows, call_run
+from .stats import VeriCacheStats
 
 
 def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io: DecodeIO, seqs: Sequences):
@@ -67,6 +68,9 @@ def prefill(model, cache: VeriCache, input_ids, attention_mask, position_ids, io
     seqs.starts = prompt_valid.long().argmax(dim=-1).tolist()
     if shared is not None:
         shared.keep(cache, input_ids)
+    # a model that counts positions from its cache's length counts each row's padding too, as stock generate does
+    if io.positions_from_cache:
+        return first, torch.full_like(first, input_ids.shape[-1])
     return first, prompt_valid.long().sum(dim=-1)
 
 
@@ -196,12 +200,20 @@ def verify_suffix(model, cache: VeriCache, reuse, prefix, pending, positions, dr
     return result
 
 
-def accept(io: DecodeIO, drafts, draft_probs, scores) -> tuple[list[int], torch.Tensor]:
-    """Per-row accepted draft counts and the (B, k+1) tokens to emit, by the greedy or the sampling rule."""
+def accept(
+    io: DecodeIO, drafts, draft_probs, scores, active: list[int], stats: VeriCacheStats
+) -> tuple[list[int], torch.Tensor]:
+    """Per-row accepted draft counts and the (B, k+1) tokens to emit, by the greedy or the sampling rule; for a model
+    that counts positions from its cache's length, every row keeps the fewest drafts any `active` row kept
+    (`accept_uniformly`), so that all rows grow alike."""
     if io.do_sample:
         accepted, tokens = speculative_accept(drafts, draft_probs, torch.softmax(scores, dim=-1))
     else:
         accepted, tokens = greedy_accept(drafts, scores)
+    if io.positions_from_cache:
+        kept = accepted
+        accepted, tokens = accept_uniformly(accepted, tokens, active)
+        stats.drafts_given_up += int((kept - accepted)[active].sum())
     return accepted.tolist(), tokens
 
 
@@ -340,7 +352,8 @@ def verify_round(
         real = torch.arange(drafts.shape[-1])[None, :] < turn.offered[1][:, None]
         draft_probs = torch.nn.functional.one_hot(drafts, scores.shape[-1]).to(scores.dtype)
         draft_probs *= real.to(draft_probs.device)[..., None]
-    accepted, tokens = accept(io, drafts, draft_probs, scores)  # reads the result back: the pass ended
+    # reads the result back: the pass ended
+    accepted, tokens = accept(io, drafts, draft_probs, scores, turn.active, cache.stats)
     turn.verify_seconds = time.perf_counter() - started
     if io.timeline is not None:
         io.timeline.add("verify", started, started + turn.verify_seconds)

@@ -5,6 +5,8 @@ to each row's own prefix (`process`), and a token emitted, reported and checked 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -70,11 +72,29 @@ class DecodeIO:
     started: float = 0.0  # perf_counter() when decoding started
     failed: BaseException | None = None  # a row's request failed (a cohort's row): it emits nothing more
     prompt_inputs: dict = field(default_factory=dict)  # what the prefill alone reads: images and their masks
+    # the model counts positions from its cache's length (`counts_positions_from_cache`), as stock `generate` then
+    # does for every row, padding included: so rows accept uniformly (`accept_uniformly`, no row gets masked slots)
+    # and a row's position counts its padding slots too
+    positions_from_cache: bool = False
 
     def of(self, row: int) -> DecodeIO:
         """The io that reports and stops `row`: this one, or in a cohort the row's own request's
         (`cohort.CohortIO`)."""
         return self
+
+
+def counts_positions_from_cache(model) -> bool:
+    """Whether the model numbers a pass's tokens from its cache's length rather than from `position_ids`: its
+    forward names none, so stock `generate` passes none (the BART family's causal decoders, which have no use for
+    them, and wrappers that hand them on to a decoder that then counts from the cache). Each row's position is then
+    the cache's length, its masked slots (left padding) included, so every row of a batch must grow by the same
+    number of tokens."""
+    return _counts_positions_from_cache(type(model))
+
+
+@functools.cache
+def _counts_positions_from_cache(model_class: type) -> bool:
+    return "position_ids" not in inspect.signature(model_class.forward).parameters
 
 
 def process(io: DecodeIO, seqs: Sequences, drafts: torch.Tensor | list[torch.Tensor], logits: torch.Tensor):

@@ -28,7 +28,9 @@ class VeriCacheStats:
     Drafting: `draft_forwards` counts draft-tier passes (one per drafted token without a proposer). With a proposer
     (hierarchical drafting), `proposed_tokens` were offered, per row: to the draft tier, which kept
     `proposal_kept_tokens`, or in plain rounds straight to the full tier, which accepted `proposals_verified_kept`.
-    `draft_forwards_per_token` is draft-tier passes per drafted position.
+    `draft_forwards_per_token` is draft-tier passes per drafted position. A model that counts positions from the
+    cache's length has every row of a batch keep the fewest drafts any row kept; `drafts_given_up` counts the
+    accepted drafts the other rows dropped for it (not in `accepted_tokens`).
 
     A K/V-only compressor on a layer that reads its full tier in place builds the draft tier when drafting first
     needs it, not at prefill, and plain rounds for a long while free it (`draft_tier_frees`); each build from the
@@ -71,6 +73,7 @@ class VeriCacheStats:
     proposed_tokens: int = 0
     proposal_kept_tokens: int = 0
     proposals_verified_kept: int = 0  # proposals the full tier accepted in plain rounds (verified directly)
+    drafts_given_up: int = 0  # accepted drafts dropped so that every row grows alike (uniform acceptance)
     prefix_tokens_reused: int = 0
     prefix_compressed_bytes: int = 0
     prefix_full_bytes: int = 0

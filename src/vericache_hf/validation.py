@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 from transformers import GenerationConfig
@@ -32,12 +31,6 @@ def check_generation(
         raise ValueError(
             f"VeriCache needs a non-empty prompt of shape (batch, length); got shape {tuple(input_ids.shape)}. "
             "Give at least one token (for example the BOS token)."
-        )
-    if input_ids.shape[0] > 1 and "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ValueError(
-            f"{type(model).__name__} counts positions from the cache's length (its forward takes no position_ids), "
-            "so in a batch whose rows accept different numbers of drafted tokens a row's later tokens would sit "
-            "at other positions than in stock generate. Give VeriCache one prompt per call (batch 1)."
         )
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and input_ids.shape[-1] > limit:

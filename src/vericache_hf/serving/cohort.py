@@ -34,7 +34,7 @@ from ..drafting.draft_model import draft_model
 from ..handoff import Member
 from ..loop import Decoding, record_sizes, run_round
 from ..pass_model import pass_model
-from ..passes import DecodeIO, Sequences
+from ..passes import DecodeIO, Sequences, counts_positions_from_cache
 from ..schedule.draft_length import draft_length_schedule
 from ..schedule.priors import priors_for
 from ..stats import VeriCacheStats
@@ -129,6 +129,7 @@ class Cohort:
             timeline=config.timeline,
             started=time.perf_counter(),
             drafter=draft_model(model, config.draft_dtype, config.draft_matmul),
+            positions_from_cache=counts_positions_from_cache(model),  # then a cohort holds one request
         )
 
     def admit(self, joining: list[Member]) -> None:
@@ -273,6 +274,13 @@ class CohortPool:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1
             ):
                 raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}.")
+        if cohort_size != 1 and counts_positions_from_cache(model):
+            raise ValueError(
+                f"{type(model).__name__} counts positions from its cache's length (its forward takes no "
+                "position_ids), so its requests cannot share passes: a row that joins a cohort is padded to the "
+                "cohort's length, and would sit at other positions than stock generate gives its prompt. Serve "
+                "each request alone with cohort_size=1."
+            )
         self.model = model
         self.cohorts, self.cohort_size = cohorts, cohort_size
         self._slots = cohorts if cohorts != "auto" else MOST_COHORTS

@@ -110,7 +110,8 @@ class VeriCacheEngine:
     takes per-request ones on top. `max_concurrent` requests are served at once (each holds its full tier in host
     memory meanwhile; the rest wait in order); they share forward passes in `cohorts` cohorts of at most
     `cohort_size` (each "auto": planned from measured times; `cohort_size=1`: every request alone, each prefilling
-    on its own worker, so lower `max_concurrent` then). `prefix_cache_memory` (host bytes, or None for none) keeps
+    on its own worker, so lower `max_concurrent` then; a model that counts positions from its cache's length, as the
+    BART family's causal decoders do, needs it). `prefix_cache_memory` (host bytes, or None for none) keeps
     prompts' exact K/V for later requests that start the same way: their prefill computes only the rest (see
     `prefix/shared.py`). Use it as a context manager, or call `start()` and `stop()`.
     """
