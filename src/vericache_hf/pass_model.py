@@ -14,8 +14,10 @@ another device or type, given other parameter tensors, or set to another attenti
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import weakref
+from functools import cache
 
 import torch
 from torch import nn
@@ -116,8 +118,22 @@ def wrapped_copy(model: nn.Module) -> nn.Module:
             hooks.clear()
     for module in attention_layers(copied):
         module.register_forward_pre_hook(record_layer_input, with_kwargs=True)
-        module.register_forward_hook(record_probabilities, with_kwargs=True)
+        if attends_inline(type(module)):
+            module.register_forward_hook(record_probabilities, with_kwargs=True)
     return copied
+
+
+@cache
+def attends_inline(module_type: type) -> bool:
+    """Whether an attention layer may compute attention itself rather than through transformers' attention
+    interface (its forward never names the interface, or returns probabilities on request): only such layers'
+    outputs are read for probabilities, so no other layer's forward pays for a hook."""
+    try:
+        source = inspect.getsource(module_type.forward)
+    except (OSError, TypeError):
+        return True
+    takes = "output_attentions" in inspect.signature(module_type.forward).parameters
+    return takes or "ALL_ATTENTION_FUNCTIONS" not in source
 
 
 def set_attention(copied: nn.Module, base: str | None) -> None:
