@@ -1,6 +1,6 @@
-"""Hybrid models whose layers keep a recurrent state (gated-delta linear attention in Qwen3.5): drafting never leaves
-that state past the accepted tokens, each row's state after a verify pass is the one stock decoding of its accepted
-tokens leaves, and output is stock `generate`'s."""
+"""Hybrid models whose layers keep a recurrent state (gated-delta linear attention in Qwen3.5, Mamba beside attention
+in Falcon-H1): drafting never leaves that state past the accepted tokens, each row's state after a verify pass is
+the one stock decoding of its accepted tokens leaves, and output is stock `generate`'s."""
 
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ from vericache_tools.families import prompts, tiny_model
 PROMPT, BLOCK = 20, 5
 
 
-@pytest.fixture(scope="module")
-def hybrid():
+def sensitive(family: str):
+    """The family's tiny model in float64, its recurrent mixers' output scaled up: random weights leave them so
+    small a share of the output that a wrong state would rarely change a greedy token; scaled up, it does."""
     torch.manual_seed(0)
-    model = tiny_model("qwen3_5").to(torch.float64).eval()
-    # random weights leave the linear-attention layers so small a share of the output that a wrong state would
-    # rarely change a greedy token; scaled up, it does
+    model = tiny_model(family).to(torch.float64).eval()
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.endswith("linear_attn.out_proj"):
+            if name.endswith(("linear_attn.out_proj", "mamba.out_proj")):
                 module.weight.mul_(30)
     return model
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return sensitive("qwen3_5")
 
 
 def _states(cache, layers):
@@ -53,11 +57,11 @@ def test_commit_keeps_each_rows_state_after_its_accepted_tokens(hybrid):
         ours.layers[i] = RecurrentLayer(i, states)
     hybrid(ids[:, :PROMPT], cache=ours, use_cache=True)
     for i in layers:
-        ours.layers[i].record()
+        ours.layers[i].record_states()
     hybrid(ids[:, PROMPT:], cache=ours, use_cache=True)  # the verify pass: the whole block at once
     kept = torch.tensor([0, 2, BLOCK])
     for i in layers:
-        ours.layers[i].commit(BLOCK, torch.arange(BLOCK)[None, :] < kept[:, None])
+        ours.layers[i].keep_states(BLOCK, torch.arange(BLOCK)[None, :] < kept[:, None])
     for i in layers:
         for row, t in enumerate(kept.tolist()):
             state, conv = after[t][i]
@@ -74,12 +78,12 @@ def test_restore_undoes_a_draft(hybrid):
     hybrid(ids[:, :PROMPT], cache=cache, use_cache=True)
     before = _states(cache, layers)
     for i in layers:
-        cache.layers[i].save()
+        cache.layers[i].save_state()
     for t in range(3):  # draft steps update the states in place
         hybrid(ids[:, PROMPT + t : PROMPT + t + 1], cache=cache, use_cache=True)
     assert not all(torch.equal(before[i][0], cache.layers[i].recurrent_states[0]) for i in layers)
     for i in layers:
-        cache.layers[i].restore()
+        cache.layers[i].restore_state()
     for i, (state, conv) in before.items():
         assert torch.equal(cache.layers[i].recurrent_states[0], state)
         assert torch.equal(cache.layers[i].conv_states[0], conv)
@@ -120,3 +124,18 @@ def test_hybrid_refuses_a_prefix_store(hybrid, tmp_path):
     config = vericache_hf.VeriCacheConfig(prefix_store=DiskStore(tmp_path))
     with pytest.raises(ValueError, match="recurrent state in layers"):
         hybrid.generate(**prompts(1), max_new_tokens=4, generation_mode="vericache", vericache_config=config)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_layer_pairing_attention_with_a_recurrent_state_is_exact(batch):
+    """Falcon-H1: every layer holds attention K/V (two tiers) and a Mamba state (rolled back) side by side."""
+    model = sensitive("falcon_h1")
+    kwargs = dict(do_sample=False, max_new_tokens=30, min_new_tokens=30)
+    expected = model.generate(**prompts(batch), **kwargs)
+    stats = vericache_hf.VeriCacheStats()
+    config = vericache_hf.VeriCacheConfig(
+        compressor="snapkv", compression_ratio=0.9, draft_length=4, draft_schedule="fixed", stats=stats
+    )
+    got = model.generate(**prompts(batch), generation_mode="vericache", vericache_config=config, **kwargs)
+    assert torch.equal(got, expected)
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens

@@ -28,7 +28,7 @@ RECURRENT_KINDS = {"linear_attention", "conv"}
 #: Layer types with no attention and no state at all (a feed-forward block alone): nothing to cache.
 STATELESS_KINDS = {"mlp", "moe"}
 #: transformers' layer types that hold attention K/V and a recurrent state side by side.
-_PAIRED_KINDS = {"hybrid", "hybrid_sliding"}
+PAIRED_KINDS = {"hybrid", "hybrid_sliding"}
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,12 @@ class LayerPlan:
 
     @property
     def servable(self) -> bool:
-        return self.kind in ATTENTION_KINDS or self.kind in RECURRENT_KINDS or self.kind in STATELESS_KINDS
+        return self.kind in ATTENTION_KINDS | RECURRENT_KINDS | PAIRED_KINDS | STATELESS_KINDS
 
     @property
     def recurrent(self) -> bool:
-        return self.kind in RECURRENT_KINDS
+        """Whether the layer keeps a recurrent or convolution state (alone, or beside attention K/V)."""
+        return self.kind in RECURRENT_KINDS or self.kind in PAIRED_KINDS
 
     @property
     def attends(self) -> bool:
@@ -92,8 +93,13 @@ def recurrent_states(model: nn.Module) -> dict[int, int]:
     return {
         index: kwargs[index].get("number_of_states", 1)
         for index, kind in enumerate(kinds)
-        if kind in RECURRENT_KINDS
+        if kind in RECURRENT_KINDS or kind in PAIRED_KINDS
     }
+
+
+def paired_layers(model: nn.Module) -> set[int]:
+    """The decoder layers that hold attention K/V and a recurrent state side by side."""
+    return {plan.index for plan in layer_plan(model, strict=False) if plan.kind in PAIRED_KINDS}
 
 
 def stateless_layers(model: nn.Module) -> set[int]:
@@ -122,7 +128,9 @@ def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
     if (
         cached is not None
     ):  # a layer transformers caches as a linear-attention state is recurrent, whatever its name
-        kinds = [cached[i] if cached[i] in RECURRENT_KINDS else kind for i, kind in enumerate(kinds)]
+        kinds = [
+            cached[i] if cached[i] in RECURRENT_KINDS | PAIRED_KINDS else kind for i, kind in enumerate(kinds)
+        ]
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
     plans = []
@@ -148,12 +156,7 @@ _WINDOW_MASKS = (
 
 def refusal_reason(kind: str) -> str:
     """Why VeriCache cannot serve a layer of this kind exactly."""
-    if kind in _PAIRED_KINDS:
-        return (
-            "each such layer holds attention K/V and a recurrent state side by side (transformers' hybrid cache "
-            "layer), and VeriCache's layers hold one or the other"
-        )
-    if kind in RECURRENT_KINDS:
+    if kind in RECURRENT_KINDS | PAIRED_KINDS:
         return (
             "its recurrent or convolution state would be advanced by a draft past the accepted tokens, and the "
             "model's code does not hand over the state after each token of a block (transformers' past recording) "
@@ -200,6 +203,15 @@ def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
             "Use stock generate() for this model."
         )
     attention = attention_layers(model)
+    shared = [
+        m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+    ]
+    if not attention and shared:
+        raise ValueError(
+            f"VeriCache cannot serve {name}: its attention module is shared by several decoder layers and carries "
+            "no layer index of its own, so VeriCache cannot tell which layer's draft and full tiers a pass reads. "
+            "Use stock generate() for this model."
+        )
     if not attention:
         raise ValueError(
             f"VeriCache cannot serve {name}: it has no self-attention layers that read a KV cache through "

@@ -81,7 +81,7 @@ TINY = {
     "state_size": 8,
     "mamba_d_state": 8,
     "mamba_n_heads": 4,
-    "mamba_d_head": 16,
+    "mamba_d_head": 32,  # times mamba_n_heads: mamba_expand * hidden_size
     "mamba_n_groups": 1,
     "mamba_expand": 2,
     "mamba_d_conv": 4,
@@ -91,6 +91,10 @@ TINY = {
     "linear_value_head_dim": 16,
     "linear_conv_kernel_dim": 4,
     "conv_L_cache": 3,
+    "attn_layer_period": 2,  # Jamba: an attention layer among the first four
+    "attn_layer_offset": 1,
+    "attn_layer_indices": [1],  # Bamba
+    "mamba_d_ssm": 128,  # Falcon-H1: mamba_d_head * mamba_n_heads
     "block_dim": 64,
     "block_ff_dim": 128,
     "attention_window_size": WINDOW,
@@ -100,6 +104,15 @@ TINY = {
     "hidden_size_per_layer_input": 16,
     "rotary_dim": 8,
     "is_decoder": True,
+}
+
+
+#: Families whose default config is not what their checkpoints look like: Granite 4's hybrid defaults to Mamba
+#: layers alone, which stock `generate` cannot run, while its checkpoints interleave attention layers.
+OVERRIDES = {
+    "granitemoehybrid": {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    },
 }
 
 
@@ -130,8 +143,10 @@ def _tiny_kwargs(config_class) -> dict:
 def _keep_layer_kinds(default, kwargs: dict) -> None:
     """Keep every layer kind of the default config in the shrunk one: the shortest prefix of its layer pattern
     that holds each kind, at least the tiny layer count."""
-    kinds = getattr(default, "layer_types", None)
-    if not kinds or "layer_types" not in _fields(type(default)):
+    fields = _fields(type(default))
+    field = next((name for name in ("layer_types", "layers_block_type") if name in fields), None)
+    kinds = getattr(default, field, None) if field is not None else None
+    if not kinds:
         return
     layers = kwargs.get("num_hidden_layers", 4)
     while layers < len(kinds) and set(kinds[:layers]) != set(kinds):
@@ -139,7 +154,7 @@ def _keep_layer_kinds(default, kwargs: dict) -> None:
     for name in ("num_hidden_layers", "n_layer", "num_layers"):
         if name in kwargs:
             kwargs[name] = layers
-    kwargs["layer_types"] = list(kinds[:layers])
+    kwargs[field] = list(kinds[:layers])
 
 
 def tiny_config(family: str):
@@ -148,6 +163,7 @@ def tiny_config(family: str):
     kwargs = _tiny_kwargs(config_class)
     default = config_class()
     _keep_layer_kinds(default, kwargs)
+    kwargs.update(OVERRIDES.get(family, {}))
     if getattr(default, "kv_lora_rank", None) is not None:  # latent attention: one KV head per query head
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
     for name in ("text_config", "vision_config", "audio_config"):

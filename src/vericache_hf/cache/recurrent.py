@@ -1,12 +1,13 @@
 """The layers of a hybrid model that keep a recurrent, linear-attention or convolution state instead of a KV cache
-(Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi-Linear, MiniMax, ...).
+(Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi-Linear, Jamba, Bamba, Nemotron-H, ...), or beside one (Falcon-H1, Zamba2:
+`PairedLayer` in `vericache.py`).
 
 Their state is small and exact, so it has a single tier, on the layer's device, which draft and verify passes both
 read: there is nothing to compress. What the two passes need is roll-back, as vLLM and SGLang keep for their Mamba
 and gated-delta layers:
-- a draft advances the state past the tokens the verify pass will accept, so `save` copies it before drafting and
-  `restore` puts the copy back after;
-- a verify pass records the state after each of its tokens (`record`: transformers' past recording, in which the
+- a draft advances the state past the tokens the verify pass will accept, so `save_state` copies it before drafting and
+  `restore_state` puts the copy back after;
+- a verify pass records the state after each of its tokens (`record_states`: transformers' past recording, in which the
   model hands over every intermediate recurrent state and the convolution keeps its whole input), and `commit`
   gives each row the state after exactly the tokens it accepted.
 
@@ -32,16 +33,16 @@ class RecurrentLayer(LinearAttentionLayer):
         self.layer_idx = layer_idx
         self._saved: tuple[dict, dict, torch.Tensor] | None = None
 
-    def save(self) -> None:
-        """Copy the state, to be put back by `restore` (after drafting, or a failed verify pass)."""
+    def save_state(self) -> None:
+        """Copy the state, to be put back by `restore_state` (after drafting, or a failed verify pass)."""
         self._saved = (
             {i: s.clone() for i, s in self.conv_states.items() if s is not None},
             {i: s.clone() for i, s in self.recurrent_states.items() if s is not None},
             self.cumulative_length_linear.clone(),
         )
 
-    def restore(self) -> None:
-        """Put back the state `save` copied, and stop recording."""
+    def restore_state(self) -> None:
+        """Put back the state `save_state` copied, and stop recording."""
         conv, recurrent, length = self._saved
         self.conv_states.update(conv)
         self.recurrent_states.update(recurrent)
@@ -49,14 +50,14 @@ class RecurrentLayer(LinearAttentionLayer):
         self._saved = None
         self._stop_recording()
 
-    def record(self) -> None:
+    def record_states(self) -> None:
         """Keep the state after every token of the coming verify pass."""
-        self.save()
+        self.save_state()
         self.record_past = True
         self.recurrent_states_to_keep = _EVERY_TOKEN
         self.recurrent_states_history = {i: [] for i in range(self.number_of_states)}
 
-    def commit(self, count: int, valid: torch.Tensor) -> None:
+    def keep_states(self, count: int, valid: torch.Tensor) -> None:
         """Give each row the state after the verify pass's tokens it accepted: `valid` (B, count) marks them, a
         prefix of the pass's first `count` tokens per row."""
         kept = valid.sum(-1)
@@ -85,6 +86,6 @@ class RecurrentLayer(LinearAttentionLayer):
         self.recurrent_states_to_keep = 0
         self.recurrent_states_history = {i: [] for i in range(self.number_of_states)}
 
-    def nbytes(self) -> int:
+    def state_bytes(self) -> int:
         states = [*self.conv_states.values(), *self.recurrent_states.values()]
         return sum(s.numel() * s.element_size() for s in states if s is not None)

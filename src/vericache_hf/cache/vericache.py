@@ -182,6 +182,29 @@ class VeriCacheLayer(CacheLayerMixin):
         return -1
 
 
+class PairedLayer(RecurrentLayer, VeriCacheLayer):
+    """A layer that holds attention K/V and a recurrent state side by side (Zamba, Falcon-H1; transformers' hybrid
+    cache layer): the two tiers for its attention, one rolled-back state for the rest."""
+
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, owner: VeriCache, number_of_states: int = 1) -> None:
+        VeriCacheLayer.__init__(self, layer_idx, owner)
+        RecurrentLayer.__init__(self, layer_idx, number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # attention's K/V
+            VeriCacheLayer.lazy_initialization(self, *args)
+        else:  # a conv or recurrent state
+            RecurrentLayer.lazy_initialization(self, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return VeriCacheLayer.get_seq_length(self)
+
+    def get_max_length(self) -> int:
+        return VeriCacheLayer.get_max_length(self)
+
+
 class VeriCache(Cache):
     """Two-tier cache for draft-then-verify decoding. Build one per request.
 
@@ -211,6 +234,7 @@ class VeriCache(Cache):
         staging_chunk_tokens: int | None = 3072,
         verify_attention: str = "auto",
         recurrent: dict[int, int] | None = None,
+        paired: set[int] | None = None,
         stateless: set[int] | None = None,
     ) -> None:
         if staging_chunk_tokens is not None:
@@ -251,10 +275,12 @@ class VeriCache(Cache):
         self._layer_ready: list[threading.Event] = []
         self._layer_loaded: list[bool] = []
         self._load_timeout = 60.0
-        recurrent, stateless = recurrent or {}, stateless or set()
+        recurrent, paired, stateless = recurrent or {}, paired or set(), stateless or set()
         super().__init__(
             layers=[
-                RecurrentLayer(i, recurrent[i])
+                PairedLayer(i, self, recurrent[i])
+                if i in paired
+                else RecurrentLayer(i, recurrent[i])
                 if i in recurrent
                 else DummyLayer()
                 if i in stateless
@@ -262,7 +288,8 @@ class VeriCache(Cache):
                 for i in range(num_layers)
             ]
         )
-        #: the attention layers, each a draft tier and a full tier; the others keep one recurrent state each
+        #: the attention layers, each a draft tier and a full tier; the recurrent ones keep one state each (a paired
+        #: layer is both)
         self.tiered: list[VeriCacheLayer] = [
             layer for layer in self.layers if isinstance(layer, VeriCacheLayer)
         ]
@@ -541,7 +568,7 @@ class VeriCache(Cache):
         self.prefetch(room=draft_length + 1)
         self._draft_dense = bool(self.tiered[0].draft.valid.all())
         for layer in self.recurrent:
-            layer.save()
+            layer.save_state()
         try:
             with self._phase("drafting", "idle"):
                 yield
@@ -553,7 +580,7 @@ class VeriCache(Cache):
             for layer in self.tiered:
                 layer.draft.rollback_draft()
             for layer in self.recurrent:
-                layer.restore()
+                layer.restore_state()
 
     def keep_drafted(self, valid: torch.Tensor) -> None:
         """Mask drafted slots a row does not keep. `valid` (B, q) covers the last q drafted slots (a multi-token
@@ -588,7 +615,7 @@ class VeriCache(Cache):
             self.prefetch()
         self._verify_pass = self.verify_pass()
         for layer in self.recurrent:
-            layer.record()
+            layer.record_states()
         try:
             with self._phase("verifying", "idle"):
                 yield
@@ -598,7 +625,7 @@ class VeriCache(Cache):
             for layer in self.tiered:
                 layer.pending = None
             for layer in self.recurrent:
-                layer.restore()
+                layer.restore_state()
             raise
         finally:
             self._verify_pass = None
@@ -630,7 +657,7 @@ class VeriCache(Cache):
         for layer in self.tiered:
             layer.commit(count, valid)
         for layer in self.recurrent:
-            layer.commit(count, valid)
+            layer.keep_states(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)
         self._full_dense = self._full_dense and bool(valid.all())
 
@@ -654,7 +681,7 @@ class VeriCache(Cache):
         return sum(layer.draft.nbytes() for layer in self.tiered if layer.draft is not None)
 
     def recurrent_state_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.recurrent)
+        return sum(layer.state_bytes() for layer in self.recurrent)
 
     def full_tier_bytes(self) -> int:
         return sum(layer.full.nbytes() for layer in self.tiered)
