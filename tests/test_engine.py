@@ -10,11 +10,14 @@ import threading
 
 import pytest
 import torch
-from transformers import StoppingCriteria
+from transformers import DynamicCache, StoppingCriteria
+from transformers.cache_utils import LinearAttentionLayer
 
 import vericache_hf
 from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, VeriCacheStats, generate_batch
 from vericache_hf.serving.admission import MemoryBudget, footprint, parse_bytes
+from vericache_hf.serving.layer_bytes import layer_bytes
+from vericache_tools.families import tiny_model as family_model
 
 from .conftest import VOCAB, random_prompt, tiny_model
 from .test_sampling import NEW_TOKENS, PROMPT, SAMPLING, chi_square_p
@@ -255,6 +258,61 @@ def test_a_budget_holds_more_vericache_requests_than_full_kv_ones(served):
     assert budget.admit(need, threading.Event())
     stats = budget.stats()
     assert stats["full_kv_capacity"] == 10 and stats["vericache_capacity"] > 30
+
+
+def test_stock_holds_a_sliding_layer_s_window_and_vericache_its_draft_tier():
+    """Gemma 3's shape, tiny: five sliding layers of a 16-token window, then one full-attention layer."""
+    model = family_model("gemma3_text")
+    text = model.config
+    token = 2 * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
+    sliding = text.layer_types.count("sliding_attention")
+    short, long = (footprint(model, CONFIG, n, 20, on_device=False) for n in (400, 4000))
+    for need, n in ((short, 400), (long, 4000)):
+        assert need.full_kv_by_kind["sliding_attention"] == sliding * text.sliding_window * token
+        assert need.full_kv_by_kind["full_attention"] == (len(text.layer_types) - sliding) * (n + 20) * token
+        assert need.full_kv_bytes == sum(need.full_kv_by_kind.values())
+    # the draft tier of a sliding layer keeps a share of the prompt, however short the window
+    assert long.device_by_kind["sliding_attention"] > 5 * short.device_by_kind["sliding_attention"]
+    assert long.device_by_kind["sliding_attention"] > long.full_kv_by_kind["sliding_attention"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_hybrid_s_recurrent_layers_count_their_state_not_kv(dtype):
+    """Qwen3.5's shape, tiny: three gated-delta-rule layers, then one full-attention layer. The recurrent
+    state stays float32 whatever the model's dtype; the convolution state follows the model."""
+    model = family_model("qwen3_5").to(dtype)
+    kinds = model.config.get_text_config().layer_types
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=cache, use_cache=True)
+    states = [
+        [*layer.conv_states.values(), *layer.recurrent_states.values()]
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionLayer)
+    ]
+    state = sum(s.numel() * s.element_size() for layer in states for s in layer if s is not None)
+    assert len(states) == kinds.count("linear_attention") > 0 and state > 0
+    token = next(layer.token for layer in layer_bytes(model) if layer.kind == "full_attention")
+    short, long = (footprint(model, CONFIG, n, 20, on_device=False) for n in (400, 4000))
+    for need, n in ((short, 400), (long, 4000)):
+        assert need.full_kv_by_kind["linear_attention"] == state  # whatever the context
+        assert need.full_kv_by_kind["full_attention"] == kinds.count("full_attention") * (n + 20) * token
+        assert need.full_kv_bytes == state + kinds.count("full_attention") * (n + 20) * token
+        # VeriCache keeps the state on the device, with its copy and a verify pass's recording beside it
+        assert need.recurrent_bytes == need.device_by_kind["linear_attention"] > 2 * state
+    assert long.recurrent_bytes == short.recurrent_bytes
+
+
+def test_layers_of_different_head_sizes_count_each_at_its_own():
+    """Gemma 4's full-attention layers have heads of their own size (`global_head_dim`)."""
+    model = family_model("gemma4_text")
+    per_layer = model.config.per_layer_config
+    sizes = {(layer.kind, layer.token) for layer in layer_bytes(model)}
+    expected = {
+        (kind, 2 * per_layer[i].num_key_value_heads * per_layer[i].head_dim * model.dtype.itemsize)
+        for i, kind in enumerate(model.config.layer_types)
+    }
+    assert sizes == expected and len({token for _, token in sizes}) == 2
 
 
 def test_memory_budget_errors_name_the_fix(served):

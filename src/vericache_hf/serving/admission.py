@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 import re
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..cache.staging import buffer_tokens
 from ..compressors import build_compressor
 from ..config import VeriCacheConfig
+from ..layer_plan import RECURRENT_KINDS
+from .layer_bytes import layer_bytes
 
 __all__ = ["Footprint", "MemoryBudget", "footprint", "parse_bytes"]
 
@@ -41,10 +44,16 @@ def parse_bytes(value: int | str) -> int:
 
 @dataclass(frozen=True)
 class Footprint:
-    """A request's device bytes under VeriCache (draft tier plus staging buffers) and with its full KV on the device."""
+    """A request's device bytes under VeriCache (draft tier, staging buffers, recurrent states) and with stock's
+    cache on the device (`full_kv_bytes`), each also by layer kind (`config.layer_types` values; staging apart)."""
 
     device_bytes: int
     full_kv_bytes: int
+    draft_bytes: int = 0
+    staging_bytes: int = 0
+    recurrent_bytes: int = 0
+    device_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
+    full_kv_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 def _kept_tokens(compressor, tokens: int) -> int:
@@ -66,23 +75,51 @@ def staging_tokens(config: VeriCacheConfig, tokens: int) -> int:
 def footprint(
     model, config: VeriCacheConfig, prompt_tokens: int, max_new_tokens: int, on_device: bool | None = None
 ) -> Footprint:
-    """What one request of `prompt_tokens` that may generate `max_new_tokens` holds at most. `on_device`: whether
-    the full tier is staged to the device (default: the model is not on the CPU, or `stage_on_cpu`)."""
-    text = model.config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    per_layer_token = 2 * kv_heads * head_dim * model.dtype.itemsize
-    layers = text.num_hidden_layers
+    """What one request of `prompt_tokens` that may generate `max_new_tokens` holds at most, layer by layer
+    (`layer_bytes.py`). `on_device`: whether the full tier is staged to the device (default: the model is not on
+    the CPU, or `stage_on_cpu`).
+
+    Stock holds every token in a full-attention layer, at most its window in a sliding or chunked one, a
+    recurrent layer's state, and nothing for a layer without attention. VeriCache holds the draft tier of every
+    attention layer (sliding and chunked ones included: their full tier keeps every token too), the staging
+    buffers, and each recurrent layer's state with the copies its roll-back keeps during a round."""
     if on_device is None:
         on_device = model.device.type != "cpu" or config.stage_on_cpu
     compressor = build_compressor(
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
     grown = max_new_tokens + config.max_draft_length  # committed tokens, and one round's drafts
-    draft = layers * per_layer_token * (_kept_tokens(compressor, prompt_tokens) + grown)
-    staging = config.staging_buffers * per_layer_token * staging_tokens(config, prompt_tokens + grown + 1)
-    staging = staging if on_device else 0
-    return Footprint(draft + staging, layers * per_layer_token * (prompt_tokens + max_new_tokens))
+    drafted, total = _kept_tokens(compressor, prompt_tokens) + grown, prompt_tokens + max_new_tokens
+    block = config.max_draft_length + 1  # a verify pass's tokens
+    device, full = defaultdict(int), defaultdict(int)
+    widest = 0  # the largest token of any staged layer: a staging buffer holds one layer's chunk at a time
+    for layer in layer_bytes(model):
+        if layer.token:
+            stock_tokens = total if layer.window is None else min(total, layer.window)
+            device[layer.kind] += layer.token * drafted
+            full[layer.kind] += layer.token * stock_tokens
+            widest = max(widest, layer.token)
+        elif layer.kind in RECURRENT_KINDS:
+            # the live state, the copy taken before drafting, and a verify pass's recording: the recurrent state
+            # after each of its tokens, and the convolution's whole input
+            device[layer.kind] += 2 * layer.state + block * (layer.recurrent + layer.conv_column)
+            full[layer.kind] += layer.state
+    staging = (
+        config.staging_buffers * widest * staging_tokens(config, prompt_tokens + grown + 1)
+        if on_device
+        else 0
+    )
+    recurrent = sum(device[kind] for kind in RECURRENT_KINDS)
+    draft = sum(device.values()) - recurrent
+    return Footprint(
+        draft + staging + recurrent,
+        sum(full.values()),
+        draft,
+        staging,
+        recurrent,
+        dict(device),
+        dict(full),
+    )
 
 
 @dataclass
