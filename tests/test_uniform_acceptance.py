@@ -16,7 +16,7 @@ from vericache_hf.passes import counts_positions_from_cache
 from vericache_tools import families
 
 from .conftest import VOCAB, random_prompt
-from .test_sampling import NEW_TOKENS, SAMPLES, SAMPLING, assert_same_distribution
+from .test_sampling import SAMPLES, assert_same_distribution, sample_both
 
 FAMILIES = {"bart": (BartConfig, BartForCausalLM), "pegasus": (PegasusConfig, PegasusForCausalLM)}
 PROMPT = 40
@@ -70,17 +70,16 @@ def test_the_family_counts_positions_from_the_cache(decoder):
 
 
 def test_greedy_left_padded_batch_whose_rows_accept_differently_equals_stock(decoder):
-    inputs = left_padded()
-    stock = decoder.generate(**inputs, do_sample=False, max_new_tokens=30, min_new_tokens=30)
+    assert_greedy_equals_stock(decoder, left_padded(), 30, DRAFTING)
+
+
+def assert_greedy_equals_stock(model, inputs: dict, tokens: int, drafting: dict) -> None:
+    """Greedy VeriCache output equals stock's, over rounds in which some row was cut short by another."""
+    kwargs = dict(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)
+    stock = model.generate(**inputs, **kwargs)
     stats = VeriCacheStats()
-    out = decoder.generate(
-        **inputs,
-        do_sample=False,
-        max_new_tokens=30,
-        min_new_tokens=30,
-        generation_mode="vericache",
-        vericache_config=VeriCacheConfig(**DRAFTING, stats=stats),
-    )
+    config = VeriCacheConfig(**drafting, stats=stats)
+    out = model.generate(**inputs, generation_mode="vericache", vericache_config=config, **kwargs)
     assert stats.drafts_given_up > 0, "the test needs rounds whose rows accepted different counts"
     assert torch.equal(out, stock)
 
@@ -90,18 +89,8 @@ def test_sampled_rows_of_a_batch_are_distributed_as_stock():
     # its first draft where the rule accepted it, and the verifier's residual draw where it did not
     model = causal_decoder("bart", layers=1)
     ids = random_prompt(24, seed=11)
-    torch.manual_seed(1234)
-    out = model.generate(
-        ids,
-        max_new_tokens=NEW_TOKENS,
-        num_return_sequences=SAMPLES,
-        generation_mode="vericache",
-        vericache_config=VeriCacheConfig(**{**DRAFTING, "draft_length": 3}),
-        return_dict_in_generate=True,
-        **SAMPLING,
-    )
+    out, stock = sample_both(model, ids, VeriCacheConfig(**{**DRAFTING, "draft_length": 3}))
     assert out.vericache_stats.drafts_given_up > SAMPLES, "the test needs many rows cut short by others"
-    stock = model.generate(ids, max_new_tokens=NEW_TOKENS, num_return_sequences=SAMPLES, **SAMPLING)
     assert_same_distribution(out.sequences, stock, ids.shape[-1])
 
 
@@ -159,16 +148,4 @@ def test_a_model_passing_positions_on_to_a_rotary_decoder_counts_padding_as_stoc
     # the cache's length when given none: a padded row's positions then count its padding, as VeriCache's must
     model = families.tiny_model("moss_transcribe_diarize").to(torch.float64)
     assert counts_positions_from_cache(model)
-    inputs = families.prompts(3)
-    stock = model.generate(**inputs, do_sample=False, max_new_tokens=20, min_new_tokens=20)
-    stats = VeriCacheStats()
-    out = model.generate(
-        **inputs,
-        do_sample=False,
-        max_new_tokens=20,
-        min_new_tokens=20,
-        generation_mode="vericache",
-        vericache_config=VeriCacheConfig(**{**DRAFTING, "draft_length": 4}, stats=stats),
-    )
-    assert stats.drafts_given_up > 0, "the test needs rounds whose rows accepted different counts"
-    assert torch.equal(out, stock)
+    assert_greedy_equals_stock(model, families.prompts(3), 20, {**DRAFTING, "draft_length": 4})
