@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ PROMPT_TOKENS = 70
 NEW_TOKENS = 20
 WINDOW = 16
 MAX_PARAMETERS = 30_000_000
+MODULE = "vericache_tools.families"
 
 #: Field values that make any family's config tiny; a config takes those of its own fields.
 TINY = {
@@ -297,7 +299,12 @@ def judge_all(names: list[str], processes: int | None = None) -> Iterator[Verdic
     if processes == 1:
         yield from map(_judge_alone, names)
         return
-    with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=8) as pool:
+    # Workers fork from a server process that imported torch, transformers and this module once: a spawned worker
+    # would spend seconds importing them afresh, every 8 families. Each worker still starts with no family's
+    # modules loaded, and the server has run no torch op, so no thread pool is forked.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([MODULE])
+    with context.Pool(processes, maxtasksperchild=8) as pool:
         yield from pool.imap(_judge_alone, names)
 
 
@@ -347,4 +354,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run as the module the workers import, so that the pool sends them `_judge_alone` by that module's name
+    importlib.import_module(MODULE).main()
