@@ -153,7 +153,7 @@ def test_generate_at_2k_and_8k_matches_stock_with_the_full_tier_staged():
     """End to end in float64 at 2k and 8k tokens, the full tier staged layer by layer: greedy output equals stock
     `generate` on the full cache, and more of the KV is off the device than on it. Chunks of 512 tokens make both
     contexts stream (4 and 16 chunks a layer), so a staging peak that followed the context would read 4x at the
-    longer one; the property needs no longer context, whose float64 prefill grows with its square."""
+    longer one; the property needs no context beyond 8k, whose float64 prefill grows with its square."""
     model = tiny_model("llama", max_position_embeddings=8300, num_hidden_layers=6)
     config = VeriCacheConfig(
         compressor="streaming_llm", compression_ratio=0.875, stage_on_cpu=True, staging_chunk_tokens=512
