@@ -68,7 +68,10 @@ def test_the_verify_kernel_benchmark_measures_every_kernel(tmp_path):
 @pytest.mark.slow
 def test_the_gpu_check_script_runs_dry(tmp_path):
     """`bash scripts/gpu_check.sh dry-run`: every step of the device run, on the CPU, each writing its results."""
+    # One thread, as for every tiny model here: the steps' tiny shapes gain nothing from a second OpenMP worker, and
+    # beside the transfer thread on two cores each op's barrier would wait for a core (several times slower).
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "dry-run"],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,

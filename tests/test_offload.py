@@ -148,7 +148,6 @@ def test_full_tier_device_bytes_are_the_staging_buffers_whatever_the_layer_count
     cache.close()
 
 
-@pytest.mark.slow
 def test_generate_at_2k_and_8k_matches_stock_with_the_full_tier_staged():
     """End to end in float64 at 2k and 8k tokens, the full tier staged layer by layer: greedy output equals stock
     `generate` on the full cache, and more of the KV is off the device than on it. Chunks of 512 tokens make both
