@@ -23,7 +23,7 @@ from .config import VeriCacheConfig
 from .drafting.draft_model import draft_model
 from .drafting.proposers import build_proposer
 from .handoff import Cohorts, Member
-from .layer_plan import check_compressor, paired_layers, recurrent_states, stateless_layers, text_config
+from .layer_plan import cache_layout, check_compressor, text_config
 from .loop import begin, decode, prefill_prefix, run_round
 from .pass_model import pass_model
 from .passes import DecodeIO, Sequences, counts_positions_from_cache
@@ -194,6 +194,7 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
     check_compressor(model, compressor)
+    recurrent, paired, stateless = cache_layout(model)
     cache = VeriCache(
         text_config(model).num_hidden_layers,
         compressor,
@@ -208,9 +209,9 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         transfers=transfers,
         link_bytes_per_s=config.emulated_link_bytes_per_s,
         timeline=config.timeline,
-        recurrent=recurrent_states(model),
-        paired=paired_layers(model),
-        stateless=stateless_layers(model),
+        recurrent=recurrent,
+        paired=paired,
+        stateless=stateless,
     )
     return compressor, cache
 

@@ -33,12 +33,14 @@ PAIRED_KINDS = {"hybrid", "hybrid_sliding"}
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One decoder layer: its kind (a `config.layer_types` value, or `full_attention`) and its window in tokens
-    (sliding or chunked layers), None for full attention."""
+    """One decoder layer: its kind (a `config.layer_types` value, or `full_attention`), its window in tokens
+    (sliding or chunked layers), None for full attention, and the number of recurrent states it keeps (transformers'
+    cache kwargs; 0 for a layer without one)."""
 
     index: int
     kind: str
     window: int | None = None
+    states: int = 0
 
     @property
     def servable(self) -> bool:
@@ -75,36 +77,30 @@ def _kinds(config, layers: int) -> list[str]:
     return ["full_attention"] * layers
 
 
-def _cache_kinds(config, layers: int) -> list[str] | None:
-    """transformers' own cache layer types, where it has them for this config (recurrent kinds included)."""
+def _cache_kinds(config, layers: int) -> tuple[list[str], list[dict]] | None:
+    """transformers' own cache layer types and their kwargs, where it has them for this config (recurrent kinds
+    included)."""
     try:
-        kinds = get_layer_types_and_kwargs(config)[0]
+        kinds, kwargs = get_layer_types_and_kwargs(config)
     except (AttributeError, TypeError, ValueError):
         return None
-    return [str(kind) for kind in kinds] if len(kinds) >= layers else None
+    return ([str(kind) for kind in kinds], kwargs) if len(kinds) >= layers else None
 
 
 def recurrent_states(model: nn.Module) -> dict[int, int]:
-    """The decoder layers that keep a recurrent state, each with its number of states (transformers' cache kwargs)."""
-    config = text_config(model)
-    if not any(plan.recurrent for plan in layer_plan(model, strict=False)):
-        return {}
-    kinds, kwargs = get_layer_types_and_kwargs(config)
-    return {
-        index: kwargs[index].get("number_of_states", 1)
-        for index, kind in enumerate(kinds)
-        if kind in RECURRENT_KINDS or kind in PAIRED_KINDS
-    }
+    """The decoder layers that keep a recurrent state, each with its number of states."""
+    return {plan.index: plan.states for plan in layer_plan(model, strict=False) if plan.recurrent}
 
 
-def paired_layers(model: nn.Module) -> set[int]:
-    """The decoder layers that hold attention K/V and a recurrent state side by side."""
-    return {plan.index for plan in layer_plan(model, strict=False) if plan.kind in PAIRED_KINDS}
-
-
-def stateless_layers(model: nn.Module) -> set[int]:
-    """The decoder layers with nothing to cache (a feed-forward block without attention)."""
-    return {plan.index for plan in layer_plan(model, strict=False) if plan.kind in STATELESS_KINDS}
+def cache_layout(model: nn.Module) -> tuple[dict[int, int], set[int], set[int]]:
+    """What `VeriCache` builds besides two-tier attention layers, from one plan: the recurrent layers with their
+    number of states, those of them that hold attention K/V too, and the layers with nothing to cache."""
+    plans = layer_plan(model, strict=False)
+    return (
+        {plan.index: plan.states for plan in plans if plan.recurrent},
+        {plan.index for plan in plans if plan.kind in PAIRED_KINDS},
+        {plan.index for plan in plans if plan.kind in STATELESS_KINDS},
+    )
 
 
 @cache
@@ -124,19 +120,20 @@ def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
     config = text_config(model)
     layers = getattr(config, "num_hidden_layers", None) or len(attention_layers(model))
     kinds = _kinds(config, layers)[:layers]
-    cached = _cache_kinds(config, layers)
-    if (
-        cached is not None
-    ):  # a layer transformers caches as a linear-attention state is recurrent, whatever its name
-        kinds = [
-            cached[i] if cached[i] in RECURRENT_KINDS | PAIRED_KINDS else kind for i, kind in enumerate(kinds)
-        ]
+    cached, states = _cache_kinds(config, layers) or ([], [])
+    # a layer transformers caches with a linear-attention state is recurrent, whatever its name
+    stateful = {
+        i: kwargs.get("number_of_states", 1)
+        for i, kwargs in enumerate(states)
+        if cached[i] in RECURRENT_KINDS | PAIRED_KINDS
+    }
+    kinds = [cached[i] if i in stateful else kind for i, kind in enumerate(kinds)]
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
     plans = []
     for index, kind in enumerate(kinds):
         size = chunk if kind == "chunked_attention" else window if kind in SLIDING_KINDS else None
-        plans.append(LayerPlan(index, kind, size))
+        plans.append(LayerPlan(index, kind, size, stateful.get(index, 0)))
     if strict:
         check_plan(model, plans)
     return plans

@@ -8,8 +8,8 @@ and gated-delta layers:
 - a draft advances the state past the tokens the verify pass will accept, so `save_state` copies it before drafting and
   `restore_state` puts the copy back after;
 - a verify pass records the state after each of its tokens (`record_states`: transformers' past recording, in which the
-  model hands over every intermediate recurrent state and the convolution keeps its whole input), and `commit`
-  gives each row the state after exactly the tokens it accepted.
+  model hands over every intermediate recurrent state and the convolution keeps its whole input), and
+  `keep_states` gives each row the state after exactly the tokens it accepted.
 
 The state a row carries after its accepted tokens is what a stock decode of those tokens leaves, whatever slots
 another row's acceptance left masked in the attention layers: a recurrent layer never sees a masked slot, because

@@ -45,9 +45,8 @@ class H2OCompressor(ScorerCompressor):
         check_int("H2OCompressor.chunk_size", self.chunk_size, 1)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
-        scores = received_attention(
-            context, keys
-        )  # a layer attending inline: summed over its queries already
+        # a layer attending inline handed over its attention, summed over its queries already
+        scores = received_attention(context, keys)
         if scores is None:
             keys = scored_keys(keys, context)
             length = keys.shape[-2]
