@@ -114,8 +114,8 @@ def test_budget_keeps_that_many_tokens(llama):
         vericache_config=config,
         return_dict_in_generate=True,
     ).past_key_values
-    assert not cache.draft_tier_held  # a K/V-only tier on the CPU waits for a draft that needs it: none did
-    cache.build_draft_tier()
+    assert not cache.draft_tier.held  # a K/V-only tier on the CPU waits for a draft that needs it: none did
+    cache.draft_tier.build()
     assert {layer.draft.num_committed for layer in cache.layers} == {10}
 
 

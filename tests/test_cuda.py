@@ -17,8 +17,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from vericache_hf import VeriCacheConfig, VeriCacheEngine
 from vericache_hf.cache.full_tier import HostSnapshot
 from vericache_hf.cache.staging import buffer_tokens
+from vericache_hf.cache.streaming import DEFAULT_ROOM
 from vericache_hf.cache.transfer import TransferError
-from vericache_hf.cache.vericache import DEFAULT_ROOM
 from vericache_hf.compat import CACHE_OUTPUT_FIELD
 from vericache_hf.prefix import DiskStore, ThrottledStore
 
@@ -81,12 +81,12 @@ def test_greedy_on_cuda_matches_stock_with_a_pinned_full_tier_staged_over_the_tr
         assert layer.device.type == "cuda" and layer.draft.valid.device.type == "cuda"
         assert layer.full.keys.is_pinned() and layer.full.values.is_pinned()
         assert not layer.reads_in_place
-    assert torch.device("cuda", torch.cuda.current_device()) in cache.transfers._streams
+    assert torch.device("cuda", torch.cuda.current_device()) in cache.stream.transfers._streams
     assert stats.rounds > 0 and stats.accepted_tokens > 0
     # One transfer per layer and verify pass (drafting rounds and plain ones alike), all of them released.
     passes = stats.rounds + stats.plain_rounds
     assert stats.chunk_transfers == passes * len(cache.layers)
-    assert cache.transfers.buffers.held == 0 and all(
+    assert cache.stream.transfers.buffers.held == 0 and all(
         layer.full.transfers_in_flight == 0 for layer in cache.layers
     )
     # Every verify pass stages the whole full tier, so at least the prompt's K/V (150 tokens a row) each pass.
@@ -187,7 +187,7 @@ def test_verify_kernels_and_streamed_chunks_on_cuda_match_stock(cuda_llama, kern
     assert torch.equal(out.sequences, expected)
     cache, stats = getattr(out, CACHE_OUTPUT_FIELD), out.vericache_stats
     assert stats.chunk_transfers >= 3 * (stats.rounds + stats.plain_rounds) * len(cache.layers)
-    assert cache.transfers.buffers.held == 0
+    assert cache.stream.transfers.buffers.held == 0
 
 
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "assistant"])

@@ -128,12 +128,13 @@ def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, meth
     at_prefill = prefilled(llama, ids, method, valid, stage_on_cpu=True)
     deferred = prefilled(llama, ids, method, valid)
     assert (
-        at_prefill.draft_tier_held and not deferred.draft_tier_held and deferred.stats.compress_seconds == 0
+        at_prefill.draft_tier.held and not deferred.draft_tier.held and deferred.stats.compress_seconds == 0
     )
-    held = deferred._held[0].queries.shape[2]
+    held = deferred.draft_tier.prompt_inputs[0].queries.shape[2]
     assert held == (32 if method == "snapkv" else 40)  # SnapKV holds its observation window's queries only
-    deferred.build_draft_tier()
-    assert deferred.draft_tier_held and not deferred._held  # the queries are let go once used
+    deferred.draft_tier.build()
+    # the queries are let go once used
+    assert deferred.draft_tier.held and not deferred.draft_tier.prompt_inputs
     for built, reference in zip(deferred.layers, at_prefill.layers, strict=True):
         for name, tensor in reference.draft.export().items():
             assert torch.equal(built.draft.export()[name], tensor), name
@@ -144,11 +145,11 @@ def test_a_deferred_query_aware_build_equals_the_one_a_prefill_makes(llama, meth
 def test_a_declined_query_aware_build_releases_its_layer_inputs(llama):
     ids = random_prompt(24, seed=11)
     cache = prefilled(llama, ids, "h2o")
-    assert cache.draft_tier_buildable
-    assert not cache.build_draft_tier(lambda seconds: False)
-    assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
+    assert cache.draft_tier.buildable
+    assert not cache.draft_tier.build(lambda seconds: False)
+    assert not cache.draft_tier.held and not cache.draft_tier.buildable and not cache.draft_tier.prompt_inputs
     with pytest.raises(RuntimeError, match="released when one was declined"):
-        cache.build_draft_tier()
+        cache.draft_tier.build()
     cache.close()
 
 
@@ -159,8 +160,10 @@ def test_a_build_declined_at_a_remembered_price_builds_nothing_and_releases_the_
     schedule = CostAwareDraftLength(VeriCacheConfig(compressor="h2o", compression_ratio=0.5))
     schedule.costs.plain_step.add(0.01)  # a plain round's price: 20 tokens could save at most 0.2 s
     schedule.observe_build(10.0)  # the remembered build
-    assert cache._held and not build_for_drafting(pass_model(llama), cache, schedule, remaining=20)
-    assert not cache.draft_tier_held and not cache.draft_tier_buildable and not cache._held
+    assert cache.draft_tier.prompt_inputs and not build_for_drafting(
+        pass_model(llama), cache, schedule, remaining=20
+    )
+    assert not cache.draft_tier.held and not cache.draft_tier.buildable and not cache.draft_tier.prompt_inputs
     assert cache.stats.compress_seconds == 0 and cache.stats.draft_tier_builds_declined == 1
     cache.close()
 
@@ -169,28 +172,28 @@ def test_the_draft_tier_is_built_after_the_prefill_and_rebuilt_after_a_free(llam
     ids = random_prompt(20, seed=5)
     cache = prefilled(llama, ids, "streaming_llm")
     assert (
-        not cache.draft_tier_held and cache.stats.compress_seconds == 0
+        not cache.draft_tier.held and cache.stats.compress_seconds == 0
     )  # deferred: the layers are on the CPU
-    with pytest.raises(RuntimeError, match="build_draft_tier"), cache.drafting(2):
+    with pytest.raises(RuntimeError, match=r"draft_tier\.build"), cache.drafting(2):
         pass
-    cache.build_draft_tier()
+    cache.draft_tier.build()
     held = cache.draft_tier_bytes()
-    assert cache.draft_tier_held and held > 0
-    cache.free_draft_tier()
-    assert not cache.draft_tier_held and cache.draft_tier_bytes() == 0
-    with pytest.raises(RuntimeError, match="build_draft_tier"), cache.drafting(2):
+    assert cache.draft_tier.held and held > 0
+    cache.draft_tier.free()
+    assert not cache.draft_tier.held and cache.draft_tier_bytes() == 0
+    with pytest.raises(RuntimeError, match=r"draft_tier\.build"), cache.drafting(2):
         pass
-    cache.build_draft_tier()
-    assert cache.draft_tier_held and cache.draft_tier_bytes() == held and cache.stats.draft_tier_builds == 2
+    cache.draft_tier.build()
+    assert cache.draft_tier.held and cache.draft_tier_bytes() == held and cache.stats.draft_tier_builds == 2
 
     # the full tier is copied out for passes, as on an accelerator: compress now
     staged = prefilled(llama, ids, "streaming_llm", stage_on_cpu=True)
-    assert staged.draft_tier_held
+    assert staged.draft_tier.held
     staged.close()
 
     query_aware = VeriCache(llama.config.num_hidden_layers, build_compressor("snapkv", 0.5))
     with pytest.raises(ValueError, match="cannot be refreshed"):
-        query_aware.free_draft_tier()
+        query_aware.draft_tier.free()
 
 
 class SlowBuild(StreamingLLMCompressor):

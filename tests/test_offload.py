@@ -12,8 +12,8 @@ import torch
 
 from vericache_hf import TransferError, VeriCache, VeriCacheConfig
 from vericache_hf.cache.full_tier import HostSnapshot
+from vericache_hf.cache.layers import VeriCacheLayer
 from vericache_hf.cache.staging import buffer_tokens
-from vericache_hf.cache.vericache import VeriCacheLayer
 from vericache_hf.compressors import build_compressor
 from vericache_hf.verify_attention import VERIFY_KWARG
 
@@ -63,10 +63,10 @@ def verify_pass(cache: VeriCache, prompt, new_tokens: int = 5) -> None:
             new_keys = torch.randn(batch, HEADS, new_tokens, KEY_DIM)
             new_values = torch.randn(batch, HEADS, new_tokens, VALUE_DIM)
             got_keys, got_values = cache.update(new_keys, new_values, layer)
-            if cache.streams(layer):  # what streamed attention reads, and tells the pass it read
+            if cache.stream.streams(layer):  # what streamed attention reads
                 # a chunk's buffer takes a later chunk once the next is asked for: read each as it comes
-                chunks = [(k.clone(), v.clone()) for k, v in cache.stream_chunks(layer)]
-                assert all(chunk[0].shape[2] <= cache.staging_chunk_tokens for chunk in chunks)
+                chunks = [(k.clone(), v.clone()) for k, v in cache.stream.stream_chunks(layer)]
+                assert all(chunk[0].shape[2] <= cache.stream.staging_chunk_tokens for chunk in chunks)
                 got_keys = torch.cat([chunk[0] for chunk in chunks] + [got_keys], dim=2)
                 got_values = torch.cat([chunk[1] for chunk in chunks] + [got_values], dim=2)
                 cache.pass_kwargs()[VERIFY_KWARG].served.add(layer)
@@ -85,8 +85,8 @@ def test_verify_stages_every_layer_through_a_bounded_set_of_buffers(buffers):
         pass
     verify_pass(cache, prompt)
     verify_pass(cache, prompt)  # a second pass without a commit stages the layers again
-    assert len(cache.transfers.buffers.pairs) == buffers
-    assert cache.staging_bytes() == buffers * layer_bytes(buffer_tokens(300 + 5), batch=2)
+    assert len(cache.stream.transfers.buffers.pairs) == buffers
+    assert cache.stream.staging_bytes() == buffers * layer_bytes(buffer_tokens(300 + 5), batch=2)
     assert cache.stats.chunk_transfers == 2 * 5  # two passes, five layers
     assert cache.stats.bytes_to_device == 10 * layer_bytes(300, batch=2)
     cache.close()
@@ -96,14 +96,14 @@ def test_verify_stages_every_layer_through_a_bounded_set_of_buffers(buffers):
 def test_prefetch_during_drafting_makes_the_first_layers_resident_before_verify():
     cache, prompt = prefilled(layers=4, tokens=200)
     with cache.drafting(2):
-        first, second, third = (cache._round[i][0] for i in range(3))
+        first, second, third = (cache.stream._round[i][0] for i in range(3))
         assert first.done.wait(10) and second.done.wait(10)
         assert (first.state, second.state, third.state) == ("ready", "ready", "backlog")  # two buffers
         with pytest.raises(RuntimeError, match="in flight"):
             cache.layers[0].full.truncate(100)  # the store may not shrink under a transfer
-    assert cache._round[0][0] is first  # drafting ended; the round waits for the verify pass
+    assert cache.stream._round[0][0] is first  # drafting ended; the round waits for the verify pass
     verify_pass(cache, prompt, new_tokens=3)
-    assert first.state == "released" and cache._round is None
+    assert first.state == "released" and cache.stream._round is None
     cache.close()
 
 
@@ -112,11 +112,11 @@ def test_a_failed_phase_releases_its_transfers_and_rolls_the_draft_back():
     with pytest.raises(ZeroDivisionError), cache.drafting(4):
         cache.update(torch.randn(1, HEADS, 1, KEY_DIM), torch.randn(1, HEADS, 1, VALUE_DIM), 0)
         raise ZeroDivisionError("a failure inside the phase")
-    assert cache.phase == "idle" and cache._round is None and cache.layers[0].draft.num_drafted == 0
+    assert cache.phase == "idle" and cache.stream._round is None and cache.layers[0].draft.num_drafted == 0
     with pytest.raises(ZeroDivisionError), cache.verifying():
         cache.update(torch.randn(1, HEADS, 2, KEY_DIM), torch.randn(1, HEADS, 2, VALUE_DIM), 0)
         raise ZeroDivisionError("a failure inside the phase")
-    assert cache.phase == "idle" and cache._round is None and cache.layers[0].pending is None
+    assert cache.phase == "idle" and cache.stream._round is None and cache.layers[0].pending is None
     with pytest.raises(RuntimeError, match="nothing to commit"):
         cache.commit(1, torch.ones(1, 1, dtype=torch.bool))
     verify_pass(cache, prompt)  # the cache goes on as if the failed passes never ran
@@ -220,7 +220,7 @@ def test_on_cpu_the_verify_pass_reads_the_full_tier_in_place_by_default(deep_lla
     assert torch.equal(out.sequences, stock(deep_llama, ids, max_new_tokens=16))
     stats = out.vericache_stats
     assert stats.chunk_transfers == stats.bytes_to_device == stats.peak_staging_bytes == 0
-    assert out.past_key_values.transfers._last_thread is None
+    assert out.past_key_values.stream.transfers._last_thread is None
 
 
 @pytest.mark.parametrize("compressor", ["streaming_llm", "snapkv"])
@@ -326,7 +326,7 @@ def test_staging_buffers_and_chunk_size_come_from_the_config(deep_llama):
         2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 8
     )  # B=2, f64
     assert 0 < out.vericache_stats.peak_staging_bytes <= 3 * buffer_tokens(300 + 12 + 64) * token_bytes
-    assert out.past_key_values.transfers.buffers.num_buffers == 3
+    assert out.past_key_values.stream.transfers.buffers.num_buffers == 3
 
 
 @pytest.mark.parametrize(

@@ -119,9 +119,9 @@ def test_suffix_queries_score_the_draft_tier_as_a_whole_prefill_would(llama, tmp
     whole = _build_cache(llama, config, VeriCacheStats())[1]
     begin(runner, whole, ids, None, None, io_for())  # a prefill of the whole prompt
     if (
-        not whole.draft_tier_held
+        not whole.draft_tier.held
     ):  # deferred on the CPU: built from the held layer inputs, as the first draft does
-        whole.build_draft_tier()
+        whole.draft_tier.build()
     for hit in (False, True):
         stats = VeriCacheStats()
         compressor, cache = _build_cache(llama, config, stats)

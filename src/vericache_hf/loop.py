@@ -27,8 +27,9 @@ import torch
 
 from .accept import accept_uniformly, choose, greedy_accept, speculative_accept
 from .cache.capture import QueryCapture
+from .cache.prefix_load import PrefixNotLoaded
 from .cache.refresh import rescore_draft_tier, rescores
-from .cache.vericache import PrefixNotLoaded, VeriCache
+from .cache.vericache import VeriCache
 from .compat import cache_kwargs
 from .drafting.proposed import draft_with_proposals, propose_to_full_tier
 from .passes import DecodeIO, Sequences, emit, forward, process
@@ -270,10 +271,10 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
     drafter = io.drafter if io.drafter is not None else model
     # draft on while the full prefix loads
     most = min(schedule.high, turn.room - 1) if turn.loading else turn.k
-    if most and not cache.draft_tier_held:  # the first draft after a deferring prefill, or after a free
+    if most and not cache.draft_tier.held:  # the first draft after a deferring prefill, or after a free
         remaining = None if turn.loading else turn.room
         # a query-aware tier whose build was declined cannot be built again: its rounds stay plain
-        if not cache.draft_tier_buildable or not build_for_drafting(
+        if not cache.draft_tier.buildable or not build_for_drafting(
             model, cache, schedule, remaining, drafter
         ):
             most = turn.k = 0  # drafting could not repay the build: the round turns plain
@@ -290,7 +291,7 @@ def draft_round(model, cache: VeriCache, pending, positions, turn: Round, io: De
         block = pending if turn.suffix else pending[:, None]
         drafts = turn.offered[0] if turn.offered is not None else block.new_empty((block.shape[0], 0))
         draft_probs = None
-        cache.prefetch(room=block.shape[-1] + drafts.shape[-1])
+        cache.stream.prefetch(room=block.shape[-1] + drafts.shape[-1])
     if drafts.is_cuda:  # time the draft's kernels, not their launch (the copy stream runs on)
         torch.cuda.current_stream(drafts.device).synchronize()
     turn.draft_seconds = time.perf_counter() - started
@@ -304,13 +305,13 @@ def build_for_drafting(
 ) -> bool:
     """Build the draft tier for a drafted round, unless the schedule finds it dearer than drafting could save over
     the `remaining` tokens (None: build). Its price is what the schedule measured, or before any build, the faster
-    of the first two layers' times, per layer (see `VeriCache.build_draft_tier`). Returns whether it was built; a
+    of the first two layers' times, per layer (see `DraftTierLifecycle.build`). Returns whether it was built; a
     query-aware compressor's held layer inputs go with a refusal."""
     started = time.perf_counter()
     afford = partial(
         schedule.affords_build, remaining=remaining, draft_share=draft_share(model, cache, drafter)
     )
-    built = cache.build_draft_tier(afford, schedule.build_price)
+    built = cache.draft_tier.build(afford, schedule.build_price)
     if built:
         schedule.observe_build(time.perf_counter() - started)
     else:
@@ -454,19 +455,19 @@ def run_round(model, cache: VeriCache, state: Decoding, io: DecodeIO, schedule: 
             verified=drafts.shape[-1] + 1,
             commit_seconds=turn.commit_seconds,
             remaining=max((io.of(b).max_length - seqs.lengths[b] for b in active), default=0),
-            tier_held=cache.draft_tier_held,
+            tier_held=cache.draft_tier.held,
             asked=turn.asked,
             passes=passes or None,
         )
     if not any(seqs.unfinished):
         return
-    if turn.captured is not None and cache.draft_tier_held:  # what a prefill of the whole prompt builds
+    if turn.captured is not None and cache.draft_tier.held:  # what a prefill of the whole prompt builds
         rescore_draft_tier(cache, turn.captured, int(positions[0]) + pending.shape[-1], pending.shape[-1])
-    if not schedule.keeps_draft_tier and cache.draft_tier_held and cache.draft_tier_rebuildable:
-        cache.free_draft_tier()  # plain rounds for a while: nothing reads it until it is rebuilt
-    if cache.refresh_clock is not None and cache.draft_tier_held:
+    if not schedule.keeps_draft_tier and cache.draft_tier.held and cache.draft_tier.rebuildable:
+        cache.draft_tier.free()  # plain rounds for a while: nothing reads it until it is rebuilt
+    if cache.draft_tier.refresh_clock is not None and cache.draft_tier.held:
         mean_accepted = sum(accepted[b] for b in active) / len(active) if drafted else None
-        cache.refresh_clock.after_commit(cache, int(counts.max()), mean_accepted)
+        cache.draft_tier.refresh_clock.after_commit(cache, int(counts.max()), mean_accepted)
     index = torch.tensor([accepted[b] if b in active else 0 for b in range(len(accepted))])
     state.pending = tokens.gather(1, index[:, None].to(tokens.device))[:, 0]
     state.positions = positions + counts.to(positions.device)

@@ -6,10 +6,11 @@ from .capture import QueryCapture
 from .compressor import CompressionContext, Compressor
 from .draft_tier import DraftStore, TokenStore
 from .full_tier import HostKVStore
+from .layers import VeriCacheLayer
 from .refresh import RefreshPolicy
 from .staging import StagingBuffers
 from .transfer import TransferEngine, TransferError
-from .vericache import VeriCache, VeriCacheLayer
+from .vericache import VeriCache
 
 __all__ = [
     "CompressionContext",

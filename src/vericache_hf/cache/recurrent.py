@@ -1,6 +1,6 @@
 """The layers of a hybrid model that keep a recurrent, linear-attention or convolution state instead of a KV cache
 (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi-Linear, Jamba, Bamba, Nemotron-H, ...), or beside one (Falcon-H1, Zamba2:
-`PairedLayer` in `vericache.py`).
+`PairedLayer` in `layers.py`).
 
 Their state is small and exact, so it has a single tier, on the layer's device, which draft and verify passes both
 read: there is nothing to compress. What the two passes need is roll-back, as vLLM and SGLang keep for their Mamba

@@ -48,7 +48,7 @@ def refresh_draft_layer(cache, layer) -> float:
     """Rebuild one layer's draft tier from its full tier (see `refresh_draft_tier`); returns the seconds it took."""
     if not layer.full.length:
         raise RuntimeError("refresh_draft_tier needs a prefilled cache.")
-    keys, values = cache.layer_full_tier(layer.layer_idx)
+    keys, values = cache.stream.layer_full_tier(layer.layer_idx)
     context = CompressionContext(layer_idx=layer.layer_idx, valid=cache.full_valid.to(layer.device))
     started = time.perf_counter()
     layer.draft = cache.compressor.compress(keys.to(layer.dtype), values.to(layer.dtype), context)
@@ -84,7 +84,7 @@ def compress_prompt(cache, layer, context: CompressionContext, prompt_length: in
     """Build one layer's draft tier from its full tier as a prefill would have: the first `prompt_length` tokens
     compressed with the prompt's queries in `context`, the tokens committed since appended whole. Returns the
     seconds it took."""
-    keys, values = cache.layer_full_tier(layer.layer_idx)
+    keys, values = cache.stream.layer_full_tier(layer.layer_idx)
     started = time.perf_counter()
     layer.draft = cache.compressor.compress(
         keys[:, :, :prompt_length].to(layer.dtype), values[:, :, :prompt_length].to(layer.dtype), context

@@ -5,8 +5,9 @@ Neither runs a forward pass. The full tier changes in place (`HostKVStore.add_ro
 is written after the stored ones, each padded with masked slots to the longer length (positions are explicit, so a
 masked slot never shifts a row's rotary phase), and rows that stay are moved up over the ones that leave. The draft
 tier of a compressor that works from K/V alone is left to be rebuilt from the new full tier
-(`build_draft_tier`, the next time drafting needs it); a query-aware compressor's token-dropped tier is carried over
-through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first, `build_carried_tier`).
+(`DraftTierLifecycle.build`, the next time drafting needs it); a query-aware compressor's token-dropped tier is
+carried over through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first,
+`build_carried_tier`).
 Call them between rounds only: no pass in flight, no drafts, no pending tokens.
 """
 
@@ -22,16 +23,17 @@ def can_share_rows(cache: VeriCache) -> bool:
     """Whether rows of this cache can join or leave others: its draft tier can be rebuilt from the full tier, or
     is a plain token-dropped store that `restore` reads back (SnapKV, H2O). kvpress presses and query-aware
     compositions that quantize cannot."""
-    if cache.draft_tier_rebuildable:
+    if cache.draft_tier.rebuildable:
         return True
     return cache.compressor.restorable and all(type(layer.draft) is TokenStore for layer in cache.layers)
 
 
 def build_carried_tier(cache: VeriCache) -> None:
-    """Build a query-aware compressor's deferred draft tier now (`VeriCache.defers_compression`): rows carry it over
-    through `restore` and could not build it once they move. Call before a cache's rows join a cohort."""
-    if not cache.draft_tier_rebuildable and not cache.draft_tier_held and cache.draft_tier_buildable:
-        cache.build_draft_tier()
+    """Build a query-aware compressor's deferred draft tier now (`DraftTierLifecycle.defers_compression`): rows
+    carry it over through `restore` and could not build it once they move. Call before a cache's rows join a
+    cohort."""
+    if not cache.draft_tier.rebuildable and not cache.draft_tier.held and cache.draft_tier.buildable:
+        cache.draft_tier.build()
 
 
 def join(cache: VeriCache, others: list[VeriCache]) -> None:
@@ -47,7 +49,7 @@ def join(cache: VeriCache, others: list[VeriCache]) -> None:
     for i, layer in enumerate(cache.layers):
         for other in others:
             layer.full.add_rows(*other.layers[i].full.view())
-        if cache.draft_tier_rebuildable:
+        if cache.draft_tier.rebuildable:
             layer.draft = None  # rebuilt from the joined full tier when drafting next needs it
         else:
             stores = [layer.draft, *(other.layers[i].draft for other in others)]
@@ -64,7 +66,7 @@ def keep(cache: VeriCache, rows: list[int]) -> None:
     drop = dead if 2 * dead >= valid.shape[-1] else 0
     for layer in cache.layers:
         layer.full.keep_rows(rows, drop)
-        if cache.draft_tier_rebuildable:
+        if cache.draft_tier.rebuildable:
             layer.draft = None
         else:
             layer.draft = cache.compressor.restore(_selected_state(layer.draft, torch.tensor(rows)))
@@ -80,13 +82,13 @@ def copy_row(cache: VeriCache, row: int) -> VeriCache:
     first, end = int(held[0]), int(held[-1]) + 1  # the row's masked slots in front and behind are left out
     full = [tuple(kv[index][:, :, first:end] for kv in layer.full.view()) for layer in cache.layers]
     drafts = None
-    if not cache.draft_tier_rebuildable:
+    if not cache.draft_tier.rebuildable:
         drafts = [cache.compressor.restore(_selected_state(layer.draft, index)) for layer in cache.layers]
     return _rebuilt(cache, full, valid[:, first:end], drafts)
 
 
 def _check_between_rounds(cache: VeriCache) -> None:
-    if cache.phase != "idle" or cache.full_tier_loading or any(layer.pending for layer in cache.layers):
+    if cache.phase != "idle" or cache.prefix_load.loading or any(layer.pending for layer in cache.layers):
         raise RuntimeError("rows join or leave a VeriCache between rounds only (no pass or load in flight).")
     build_carried_tier(cache)
     if not can_share_rows(cache):
@@ -147,10 +149,10 @@ def _rebuilt(
         template.compressor,
         stats=template.stats,
         chunk_tokens=template.chunk_tokens,
-        staging_chunk_tokens=template.staging_chunk_tokens,
+        staging_chunk_tokens=template.stream.staging_chunk_tokens,
         verify_attention=template.verify_attention,
-        transfers=template.transfers,
-        refresh_policy=template.refresh_policy,
+        transfers=template.stream.transfers,
+        refresh_policy=template.draft_tier.refresh_policy,
         stage_on_cpu=template.stage_on_cpu,
     )
     for i, (layer, old) in enumerate(zip(cache.layers, template.layers, strict=True)):
@@ -158,6 +160,7 @@ def _rebuilt(
         layer.lazy_initialization(like, like)
         layer.full.append(*full[i])
         layer.draft = drafts[i] if drafts is not None else None
-    cache.refresh_clock = template.refresh_clock  # the rows' count towards a refresh goes on
+    # the rows' count towards a refresh goes on
+    cache.draft_tier.refresh_clock = template.draft_tier.refresh_clock
     cache.rows_changed(valid)
     return cache

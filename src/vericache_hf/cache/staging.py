@@ -2,7 +2,7 @@
 
 A fixed number of buffer slots (default 2) exists; a transfer must hold a slot, and gives it back once the verify
 pass has attended to what it holds. A buffer holds at most `staging_chunk_tokens`, and one of two things
-(`VeriCache.prefetch` chooses):
+(`FullTierStream.prefetch` chooses):
 - a whole layer that fits: its stored tokens plus room for the tokens the verify pass checks, which attention reads
   as one (B, H, T, D) tensor, as stock attention expects (the buffer a quarter longer, up to a chunk's size);
 - one chunk of a longer layer, which the verify pass's attention merges with the others as they arrive

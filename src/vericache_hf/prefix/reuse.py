@@ -158,7 +158,7 @@ class PrefixReuse:
                 self.stats.prefix_full_bytes += nbytes
                 if keys.shape[-2] < length:  # this layer's run is short: the rest is recomputed
                     return
-                cache.layer_loaded(layer)
+                cache.prefix_load.layer_loaded(layer)
                 self._layers_done += 1
                 self._last_layer_at = time.perf_counter()
         except BaseException as error:  # reported by wait_full_tier, on the caller's thread
@@ -166,7 +166,7 @@ class PrefixReuse:
         finally:
             self.stats.prefix_load_seconds += time.perf_counter() - self._load_started
             self.stats.prefix_load_cpu_seconds += time.thread_time() - cpu_started
-            cache.loading_stopped()
+            cache.prefix_load.loading_stopped()
 
     def keep_drafting(self, first_pass_seconds: float, width: int, drafted: int) -> bool:
         """Whether to draft (on) while the full prefix loads: while the layers still to come take longer to arrive
@@ -239,7 +239,7 @@ class PrefixReuse:
                 stacklevel=4,
             )
             self._recompute(cache, prefix_ids)
-        cache.full_tier_loaded()
+        cache.prefix_load.finish()
         self.stats.prefix_tokens_reused += loaded
 
     @torch.no_grad()  # not inference mode: the full tier's buffers must stay writable by later commits
@@ -268,8 +268,8 @@ class PrefixReuse:
         full = [
             (layer.full.keys[:1, :, :length], layer.full.values[:1, :, :length]) for layer in cache.layers
         ]
-        if not cache.draft_tier_held:  # the prefill deferred it: the store keeps the compressed prefix too
-            cache.build_draft_tier()
+        if not cache.draft_tier.held:  # the prefill deferred it: the store keeps the compressed prefix too
+            cache.draft_tier.build()
         state = {}
         for i, layer in enumerate(cache.layers):
             state.update({f"layer.{i}.{name}": _narrow(t[:1]) for name, t in layer.draft.export().items()})

@@ -2,7 +2,7 @@
 
 Requests to a server often share a long prefix (a system prompt, a document, a conversation so far). After a
 request's prefill its prompt's whole chunks are copied here; a later request whose prompt starts with some of them
-has its full tier seeded with their K/V and prefills the rest only (`VeriCache.seed_prefix`): the same values a
+has its full tier seeded with their K/V and prefills the rest only (`PrefixLoad.seed`): the same values a
 prefill of the whole prompt would compute, so outputs stay exact, for a fraction of the prefill. Its draft tier is
 then built as usual, over the whole prompt, so the request decodes like any other (in a cohort, in the engine).
 
@@ -73,7 +73,7 @@ class SharedPrefixes:
             self.tokens_reused += len(chunks) * self.chunk_tokens
         if not chunks:
             return 0
-        cache.seed_prefix([[chunk.layers[i] for chunk in chunks] for i in range(len(cache.layers))])
+        cache.prefix_load.seed([[chunk.layers[i] for chunk in chunks] for i in range(len(cache.layers))])
         return len(chunks) * self.chunk_tokens
 
     def keep(self, cache: VeriCache, prompt: torch.Tensor) -> None:
