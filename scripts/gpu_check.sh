@@ -73,9 +73,9 @@ step() {  # name, seconds, command...: run one step under its time limit, its lo
 }
 if [[ $steps == *" tests "* ]]; then
   if [[ -n $dry ]]; then  # no CUDA here: the tests skip; collecting them checks they import
-    step tests 120 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider
+    step tests 120 $py -m pytest tests/test_cuda.py -n 0 -q -p no:cacheprovider
   else
-    step tests "${TEST_TIMEOUT:-90}" $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA
+    step tests "${TEST_TIMEOUT:-90}" $py -m pytest tests/test_cuda.py -n 0 -q -p no:cacheprovider -rA
   fi
 fi
 if [[ $steps == *" kernels "* ]]; then
