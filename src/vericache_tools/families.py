@@ -3,8 +3,8 @@
 The families come from transformers' own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so the matrix grows with
 transformers. A family's tiny model is its default config shrunk field by field (only the fields its config has),
 with a short sliding window so that window layers matter at a 70-token prompt. A family is *in the matrix* when its
-tiny model builds and runs stock `generate`; then VeriCache must either match stock at batch 1 and on a left-padded
-batch of 3, or refuse it with a `ValueError` before decoding. `python -m vericache_tools.families` writes
+tiny model builds and runs stock `generate`; then VeriCache must either match stock at batch 1 and on left-padded
+batches of 3, one of them with rows that accept different counts, or refuse it with a `ValueError` before decoding. `python -m vericache_tools.families` writes
 `docs/models.md`.
 """
 
@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import vericache_hf
 from vericache_hf.layer_plan import layer_plan
+from vericache_hf.passes import counts_positions_from_cache
 
 VOCAB = 128
 PROMPT_TOKENS = 70
@@ -36,6 +37,10 @@ NEW_TOKENS = 20
 WINDOW = 16
 MAX_PARAMETERS = 30_000_000
 MODULE = "vericache_tools.families"
+#: (prompt seed, compressor, compression ratio) tried for the batch of 3, in turn, until its rows accept different
+#: counts in some round: a draft tier that still holds a short window whole drafts every token right, so harder
+#: compression follows
+RAGGED_TRIES = ((0, "snapkv", 0.5), (1, "snapkv", 0.75), (2, "snapkv", 0.875), (3, "streaming_llm", 0.9))
 
 #: Field values that make any family's config tiny; a config takes those of its own fields.
 TINY = {
@@ -44,12 +49,16 @@ TINY = {
     "n_embd": 64,
     "d_model": 64,
     "intermediate_size": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
     "ffn_hidden_size": 128,
     "n_inner": 128,
     "num_hidden_layers": 4,
     "n_layer": 4,
     "num_layers": 4,
     "num_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
     "n_head": 4,
     "num_heads": 4,
     "num_key_value_heads": 2,
@@ -128,6 +137,7 @@ class Verdict:
     layer_kinds: str = ""
     dtype: str = ""
     reason: str = ""
+    rows: str = ""  # how the batch of 3's rows accepted: `ragged`, `uniform` (by design), `all` or `even`
 
 
 def _fields(config_class) -> set[str]:
@@ -210,8 +220,9 @@ def prompts(batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _stock(model, inputs) -> torch.Tensor:
-    return model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+def stock_greedy(model, inputs, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
+    """Stock greedy `generate` of exactly `new_tokens`."""
+    return model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
 
 
 class TokenCounter:
@@ -227,17 +238,22 @@ class TokenCounter:
         pass
 
 
-def _vericache(model, inputs, streamer: TokenCounter | None = None) -> torch.Tensor:
-    config = vericache_hf.VeriCacheConfig(
-        compressor="snapkv", compression_ratio=0.5, draft_length=4, draft_schedule="fixed"
-    )
+def vericache_greedy(model, inputs, new_tokens: int = NEW_TOKENS, streamer=None, **settings) -> torch.Tensor:
+    """VeriCache's greedy `generate` of exactly `new_tokens`, with the matrix's settings (SnapKV at 0.5, fixed drafts
+    of 4) under `settings` (any `VeriCacheConfig` field)."""
+    defaults = {
+        "compressor": "snapkv",
+        "compression_ratio": 0.5,
+        "draft_length": 4,
+        "draft_schedule": "fixed",
+    }
     return model.generate(
         **inputs,
         do_sample=False,
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
         generation_mode="vericache",
-        vericache_config=config,
+        vericache_config=vericache_hf.VeriCacheConfig(**(defaults | settings)),
         streamer=streamer,
     )
 
@@ -246,8 +262,32 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
 
 
+class _Ended(Exception):
+    """A run that settles the verdict: a refusal, a crash or a difference from stock."""
+
+    def __init__(self, verdict: str, reason: str) -> None:
+        super().__init__(reason)
+        self.verdict, self.reason = verdict, reason
+
+
+def _compare(model, inputs, stock, streamer=None, label: str = "", **settings) -> None:
+    """Run VeriCache on `inputs`; raise `_Ended` unless it matches `stock`."""
+    try:
+        got = vericache_greedy(model, inputs, streamer=streamer, **settings)
+    except ValueError as error:
+        if streamer is not None and streamer.puts > 1:  # a refusal must come before the first token
+            raise _Ended("crashes", f"refused after decoding began: {_first_line(error)}") from error
+        raise _Ended("refused", str(error).strip().splitlines()[0]) from error
+    except Exception as error:  # noqa: BLE001 - a crash is a verdict of its own
+        traceback.print_exc(file=sys.stderr)
+        raise _Ended("crashes", f"{label}: {_first_line(error)}") from error
+    if not torch.equal(got, stock):
+        raise _Ended("differs", f"{label} differs from stock generate")
+
+
 def judge(family: str) -> Verdict:
-    """Build the family's tiny model, run stock `generate`, then VeriCache at batch 1 and 3."""
+    """Build the family's tiny model, run stock `generate`, then VeriCache at batch 1 and on batches of 3 until one's
+    rows accept different counts in some round (the case that leaves masked slots between a row's tokens)."""
     try:
         model = tiny_model(family)
     except Exception as error:  # noqa: BLE001 - any failure to build keeps the family out, with its reason
@@ -256,31 +296,37 @@ def judge(family: str) -> Verdict:
     dtype = torch.float64
     try:
         model = model.to(dtype)
-        expected = [_stock(model, prompts(batch)) for batch in (1, 3)]
+        expected = [stock_greedy(model, prompts(batch)) for batch in (1, 3)]
     except Exception:  # noqa: BLE001 - grouped matmuls and some kernels refuse float64
         dtype = torch.float32
         model = model.to(dtype)
         try:
-            expected = [_stock(model, prompts(batch)) for batch in (1, 3)]
+            expected = [stock_greedy(model, prompts(batch)) for batch in (1, 3)]
         except Exception as error:  # noqa: BLE001
             return Verdict(family, "out", kinds, "", f"stock generate fails: {_first_line(error)}")
     name = str(dtype).removeprefix("torch.")
-    for batch, stock in zip((1, 3), expected, strict=True):
-        streamer = TokenCounter() if batch == 1 else None  # streamers take batch 1 only
-        try:
-            got = _vericache(model, prompts(batch), streamer)
-        except ValueError as error:
-            if streamer is not None and streamer.puts > 1:  # a refusal must come before the first token
-                return Verdict(
-                    family, "crashes", kinds, name, f"refused after decoding began: {_first_line(error)}"
-                )
-            return Verdict(family, "refused", kinds, name, str(error).strip().splitlines()[0])
-        except Exception as error:  # noqa: BLE001 - a crash is a verdict of its own
-            traceback.print_exc(file=sys.stderr)
-            return Verdict(family, "crashes", kinds, name, f"batch {batch}: {_first_line(error)}")
-        if not torch.equal(got, stock):
-            return Verdict(family, "differs", kinds, name, f"batch {batch} differs from stock generate")
-    return Verdict(family, "exact", kinds, name)
+    uniform = counts_positions_from_cache(model)
+    rows, rejected = "uniform" if uniform else "even", False
+    try:
+        streamer = TokenCounter()  # streamers take batch 1 only
+        _compare(model, prompts(1), expected[0], streamer, label="batch 1")
+        for seed, compressor, ratio in RAGGED_TRIES[:1] if uniform else RAGGED_TRIES:
+            inputs = prompts(3, seed)
+            stock = expected[1] if seed == 0 else stock_greedy(model, inputs)
+            stats = vericache_hf.VeriCacheStats()
+            label = f"batch 3 ({compressor} at {ratio}, prompt seed {seed})"
+            _compare(
+                model, inputs, stock, label=label, stats=stats, compression_ratio=ratio, compressor=compressor
+            )
+            rejected = rejected or stats.accepted_tokens < stats.drafted_tokens
+            if stats.ragged_rounds:
+                rows = "ragged"
+                break
+        if rows == "even" and not rejected:
+            rows = "all"
+    except _Ended as ended:
+        return Verdict(family, ended.verdict, kinds, name, ended.reason)
+    return Verdict(family, "exact", kinds, name, rows=rows)
 
 
 def families() -> list[str]:
@@ -313,26 +359,36 @@ def render(verdicts: list[Verdict]) -> str:
     counts = {
         kind: sum(v.verdict == kind for v in matrix) for kind in ("exact", "refused", "differs", "crashes")
     }
+    rows = {kind: sum(v.rows == kind for v in matrix) for kind in ("ragged", "uniform", "all", "even")}
     lines = [
         "# Models",
         "",
         "Every causal-LM family of the transformers installed here, each as a tiny random model: VeriCache either",
-        "matches stock `generate` token for token (greedy, at batch 1 and on a left-padded batch of 3 whose rows",
-        "accept different counts), or refuses the model with a `ValueError` before decoding. A family whose tiny",
-        "model does not build or does not run stock `generate` is listed as *out*.",
+        "matches stock `generate` token for token (greedy, at batch 1 and on left-padded batches of 3), or refuses",
+        "the model with a `ValueError` before decoding. A family whose tiny model does not build or does not run",
+        "stock `generate` is listed as *out*.",
+        "",
+        "The *rows* column says how an exact family's batch of 3 accepted drafts. *ragged*: in some round its rows",
+        "accepted different counts, which leaves masked slots between a row's tokens (up to "
+        f"{len(RAGGED_TRIES)} prompts, compressed",
+        "harder each time, are tried for one that does). *uniform*: the model numbers positions from the cache's",
+        "length, so every row keeps the fewest drafts any row kept, by design. *all*: every row accepted every draft",
+        "however hard the compression, so no row was ever left with a hole (the tiny model's output does not depend",
+        "on the tokens dropped). *even*: drafts were rejected, but never in different counts across rows.",
         "",
         f"Regenerate: `.venv/bin/python -m vericache_tools.families --write docs/models.md` "
         f"(transformers {transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}).",
         "",
-        f"Of {len(matrix)} families in the matrix: {counts['exact']} exact, {counts['refused']} refused, "
+        f"Of {len(matrix)} families in the matrix: {counts['exact']} exact ({rows['ragged']} ragged, "
+        f"{rows['uniform']} uniform, {rows['all']} all, {rows['even']} even), {counts['refused']} refused, "
         f"{counts['differs']} differ, {counts['crashes']} crash; {len(verdicts) - len(matrix)} out.",
         "",
-        "| family | layer kinds | dtype | verdict | reason |",
-        "|---|---|---|---|---|",
+        "| family | layer kinds | dtype | verdict | rows | reason |",
+        "|---|---|---|---|---|---|",
     ]
     for v in verdicts:
         reason = v.reason.replace("|", "\\|")
-        lines.append(f"| {v.family} | {v.layer_kinds} | {v.dtype} | {v.verdict} | {reason} |")
+        lines.append(f"| {v.family} | {v.layer_kinds} | {v.dtype} | {v.verdict} | {v.rows} | {reason} |")
     return "\n".join(lines) + "\n"
 
 
@@ -345,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     verdicts = []
     for verdict in judge_all(args.families or families(), args.processes):
         print(
-            f"{verdict.family:28s} {verdict.verdict:8s} {verdict.dtype:8s} {verdict.layer_kinds:40s} {verdict.reason}"
+            f"{verdict.family:28s} {verdict.verdict:8s} {verdict.rows:8s} {verdict.dtype:8s} {verdict.layer_kinds:40s} "
+            f"{verdict.reason}"
         )
         sys.stdout.flush()
         verdicts.append(verdict)
