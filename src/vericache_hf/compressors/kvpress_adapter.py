@@ -115,7 +115,14 @@ class KVPressCompressor(Compressor):
 
     def _press_kwargs(self, context: CompressionContext) -> dict[str, Any]:
         kwargs = dict(context.attention_kwargs)
-        kwargs["cache_position"] = kwargs["position_ids"][0]
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            model = type(context.model).__name__ if context.model is not None else "this model"
+            raise ValueError(
+                f"kvpress {type(self.press).__name__} reads the token positions that attention is handed, but "
+                f"{model}'s attention layers are handed none. Use a compressor of this library (snapkv, h2o, knorm, streaming_llm, kivi, ...) with this model."
+            )
+        kwargs["cache_position"] = positions[0]
         return kwargs
 
     def _prepare(self, context: CompressionContext) -> None:
