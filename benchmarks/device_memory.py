@@ -1,9 +1,10 @@
 """Device bytes one request holds, by layer kind, under VeriCache and with stock's cache: `footprint` on models
 built on the meta device from real configs' dimensions (nothing is downloaded, no weights are allocated).
 
-Stock holds every token in a full-attention layer and at most its window in a sliding one; VeriCache holds a draft
-tier in every attention layer, sliding ones included, plus the staging buffers its full tier visits the device
-through. Batch 1, bfloat16, the default VeriCacheConfig except for the compression ratio.
+Stock holds every token in a full-attention layer and at most its window in a sliding one. VeriCache holds a draft
+tier in every full-attention layer, plus the staging buffers its full tier visits the device through; a sliding
+layer of a model that has full-attention layers too keeps its window, exact, as its one tier (with a trim's slack
+and a round's tokens). Batch 1, bfloat16, the default VeriCacheConfig except for the compression ratio.
 
     python benchmarks/device_memory.py > docs/benchmarks/device_memory_by_layer_kind.md
 """
@@ -43,13 +44,13 @@ def mib(count: int) -> str:
 
 def table(prompts: list[int], ratios: list[float], new_tokens: int) -> str:
     lines = [
-        "| model | prompt | ratio | layer kind | layers | stock full KV (MiB) | VeriCache draft tier (MiB) |",
+        "| model | prompt | ratio | layer kind | layers | stock full KV (MiB) | VeriCache on the device (MiB) |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     totals = [
-        "| model | prompt | ratio | stock full KV (MiB) | VeriCache draft tier (MiB) | staging (MiB) "
-        "| VeriCache device total (MiB) | VeriCache / stock |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | prompt | ratio | stock full KV (MiB) | VeriCache draft tier (MiB) | window layers (MiB) "
+        "| staging (MiB) | VeriCache device total (MiB) | VeriCache / stock |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, (config_class, sizes) in MODELS.items():
         model = meta_model(config_class, sizes)
@@ -65,7 +66,7 @@ def table(prompts: list[int], ratios: list[float], new_tokens: int) -> str:
                     )
                 totals.append(
                     f"| {name} | {prompt} | {ratio} | {mib(need.full_kv_bytes)} | {mib(need.draft_bytes)} "
-                    f"| {mib(need.staging_bytes)} | {mib(need.device_bytes)} "
+                    f"| {mib(need.window_bytes)} | {mib(need.staging_bytes)} | {mib(need.device_bytes)} "
                     f"| {need.device_bytes / need.full_kv_bytes:.2f} |"
                 )
     return "\n".join([*totals, "", *lines])

@@ -56,7 +56,9 @@ def main() -> None:
                 )
                 stock_t.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                cache.stream.prefetch(room=1)  # as the loop's plain round: nothing drafts, the full tier is queued
+                cache.stream.prefetch(
+                    room=1
+                )  # as the loop's plain round: nothing drafts, the full tier is queued
                 with cache.verifying():
                     forward(model, cache, token, pos + step)
                 cache.commit(1, torch.ones(B, 1, dtype=torch.bool))

@@ -15,6 +15,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 import vericache_hf
 from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheEngine, VeriCacheStats, generate_batch
+from vericache_hf.cache.window import held_slots
 from vericache_hf.serving.admission import MemoryBudget, footprint, parse_bytes
 from vericache_hf.serving.layer_bytes import layer_bytes
 from vericache_tools.families import tiny_model as family_model
@@ -260,8 +261,10 @@ def test_a_budget_holds_more_vericache_requests_than_full_kv_ones(served):
     assert stats["full_kv_capacity"] == 10 and stats["vericache_capacity"] > 30
 
 
-def test_stock_holds_a_sliding_layer_s_window_and_vericache_its_draft_tier():
-    """Gemma 3's shape, tiny: five sliding layers of a 16-token window, then one full-attention layer."""
+def test_a_sliding_layer_holds_its_window_in_stock_and_in_vericache():
+    """Gemma 3's shape, tiny: five sliding layers of a 16-token window, then one full-attention layer. Both hold a
+    sliding layer's window alone, whatever the context (VeriCache with a trim's slack and a pass's block); only the
+    full-attention layer has a draft tier and staging."""
     model = family_model("gemma3_text")
     text = model.config
     token = 2 * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
@@ -271,9 +274,10 @@ def test_stock_holds_a_sliding_layer_s_window_and_vericache_its_draft_tier():
         assert need.full_kv_by_kind["sliding_attention"] == sliding * text.sliding_window * token
         assert need.full_kv_by_kind["full_attention"] == (len(text.layer_types) - sliding) * (n + 20) * token
         assert need.full_kv_bytes == sum(need.full_kv_by_kind.values())
-    # the draft tier of a sliding layer keeps a share of the prompt, however short the window
-    assert long.device_by_kind["sliding_attention"] > 5 * short.device_by_kind["sliding_attention"]
-    assert long.device_by_kind["sliding_attention"] > long.full_kv_by_kind["sliding_attention"]
+        held = held_slots(text.sliding_window, CONFIG.max_draft_length + 1)
+        assert need.window_bytes == need.device_by_kind["sliding_attention"] == sliding * held * token
+        assert need.device_bytes == need.draft_bytes + need.window_bytes
+    assert long.device_by_kind["full_attention"] > 5 * short.device_by_kind["full_attention"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

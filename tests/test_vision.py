@@ -77,3 +77,20 @@ def test_images_with_multimodal_rotary_positions_are_refused_before_decoding():
             max_new_tokens=2,
             generation_mode="vericache",
         )
+
+
+def test_mllama_serves_text_alone_and_refuses_image_states():
+    """Mllama's cross-attention layers attend to image states, which a text-only call does not give: its decoder
+    then skips them, and so does VeriCache's cache (they hold nothing). With image states given, it is refused."""
+    from vericache_tools.families import prompts, stock_greedy, vericache_greedy
+    from vericache_tools.families import tiny_model as family_model
+
+    model = family_model("mllama").to(torch.float64)
+    stats = vericache_hf.VeriCacheStats()
+    got = vericache_greedy(model, prompts(3), 30, stats=stats)
+    assert torch.equal(got, stock_greedy(model, prompts(3), 30)) and stats.accepted_tokens > 0
+    states = torch.zeros(1, 4, 8, model.config.hidden_size, dtype=torch.float64)
+    with pytest.raises(ValueError, match="text alone: its cross-attention layers"):
+        model.generate(
+            **prompts(1), cross_attention_states=states, max_new_tokens=3, generation_mode="vericache"
+        )

@@ -25,8 +25,9 @@ ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "
 SLIDING_KINDS = {"sliding_attention", "local"}
 #: transformers' layer types whose cache is a linear-attention layer (a recurrent or convolution state, no KV).
 RECURRENT_KINDS = {"linear_attention", "conv"}
-#: Layer types with no attention and no state at all (a feed-forward block alone): nothing to cache.
-STATELESS_KINDS = {"mlp", "moe"}
+#: Layer types with no attention and no state at all (a feed-forward block alone), and cross-attention to images
+#: (Mllama), which a text-only call skips: nothing to cache.
+STATELESS_KINDS = {"mlp", "moe", "cross_attention"}
 #: transformers' layer types that hold attention K/V and a recurrent state side by side.
 PAIRED_KINDS = {"hybrid", "hybrid_sliding"}
 
@@ -92,15 +93,27 @@ def recurrent_states(model: nn.Module) -> dict[int, int]:
     return {plan.index: plan.states for plan in layer_plan(model, strict=False) if plan.recurrent}
 
 
-def cache_layout(model: nn.Module) -> tuple[dict[int, int], set[int], set[int]]:
+def cache_layout(model: nn.Module) -> tuple[dict[int, int], set[int], set[int], dict[int, int]]:
     """What `VeriCache` builds besides two-tier attention layers, from one plan: the recurrent layers with their
-    number of states, those of them that hold attention K/V too, and the layers with nothing to cache."""
+    number of states, those of them that hold attention K/V too, the layers with nothing to cache, and the
+    sliding-window layers that keep one exact tier on the device, each with its window (`window_layers`)."""
     plans = layer_plan(model, strict=False)
     return (
         {plan.index: plan.states for plan in plans if plan.recurrent},
         {plan.index for plan in plans if plan.kind in PAIRED_KINDS},
         {plan.index for plan in plans if plan.kind in STATELESS_KINDS},
+        window_layers(plans),
     )
+
+
+def window_layers(plans: list[LayerPlan]) -> dict[int, int]:
+    """The sliding-window layers served by one exact tier on the device (`cache/window.py`), with their window: those
+    of a model that also has full-attention layers, whose draft tier is where compression saves. Where every
+    attention layer is windowed, the windows keep two tiers, since drafting over a compressed window is the only
+    saving left; and windows of different sizes would need masks of their own, so they keep two tiers too."""
+    windows = {plan.index: plan.window for plan in plans if plan.kind in SLIDING_KINDS and plan.window}
+    full = any(plan.attends and plan.window is None and plan.kind not in PAIRED_KINDS for plan in plans)
+    return windows if full and len(set(windows.values())) == 1 else {}
 
 
 @cache
@@ -128,6 +141,8 @@ def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
         if cached[i] in RECURRENT_KINDS | PAIRED_KINDS
     }
     kinds = [cached[i] if i in stateful else kind for i, kind in enumerate(kinds)]
+    cross = set(getattr(config, "cross_attention_layers", None) or [])
+    kinds = ["cross_attention" if i in cross else kind for i, kind in enumerate(kinds)]
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
     plans = []
@@ -193,11 +208,11 @@ def check_plan(model: nn.Module, plans: list[LayerPlan]) -> None:
             "from the cache, not through a sliding-window mask, and VeriCache's full tier keeps every token. "
             "Use a config without the window (sliding_window=None), or stock generate()."
         )
-    if getattr(config, "cross_attention_layers", None):
+    if getattr(config, "ngram", None):
         raise ValueError(
-            f"VeriCache cannot serve {name}: its cross-attention layers {list(config.cross_attention_layers)} "
-            "attend to image states rather than a cache of generated tokens, which VeriCache's tiers do not hold. "
-            "Use stock generate() for this model."
+            f"VeriCache cannot serve {name}: its decoder predicts {config.ngram} n-gram streams and, with a cache, "
+            "takes one token per pass, so a block of drafted tokens cannot be verified in one pass. Use stock "
+            "generate() for this model."
         )
     attention = attention_layers(model)
     shared = [

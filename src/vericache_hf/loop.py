@@ -489,3 +489,4 @@ def record_sizes(cache: VeriCache) -> None:
     stats.draft_tier_bytes = max(stats.draft_tier_bytes, cache.draft_tier_bytes())
     stats.full_tier_bytes = max(stats.full_tier_bytes, cache.full_tier_bytes())
     stats.recurrent_state_bytes = max(stats.recurrent_state_bytes, cache.recurrent_state_bytes())
+    stats.window_tier_bytes = max(stats.window_tier_bytes, cache.window_tier_bytes())

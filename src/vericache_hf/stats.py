@@ -22,7 +22,9 @@ class VeriCacheStats:
     `transfer_wait_seconds` the time the verify pass waited on them; the rest was hidden behind drafting and
     compute (`transfer_hidden_share`). `peak_draft_tier_bytes` (sum of the draft stores) and `peak_staging_bytes`
     (the full tier's layer buffers) are device memory, and so is `recurrent_state_bytes` (a hybrid model's recurrent
-    layers: one exact state per row, read by draft and verify passes alike); `full_tier_bytes` is host memory. `compress_seconds` is the
+    layers: one exact state per row, read by draft and verify passes alike) and `window_tier_bytes` (the sliding-window
+    layers of a model with full-attention layers too: their window's exact K/V, read by both kinds of pass);
+    `full_tier_bytes` is host memory. `compress_seconds` is the
     compressor's time: at prefill (a share of `prefill_seconds`), in refreshes and in builds.
 
     Drafting: `draft_forwards` counts draft-tier passes (one per drafted token without a proposer). With a proposer
@@ -30,7 +32,9 @@ class VeriCacheStats:
     `proposal_kept_tokens`, or in plain rounds straight to the full tier, which accepted `proposals_verified_kept`.
     `draft_forwards_per_token` is draft-tier passes per drafted position. A model that counts positions from the
     cache's length has every row of a batch keep the fewest drafts any row kept; `drafts_given_up` counts the
-    accepted drafts the other rows dropped for it (not in `accepted_tokens`).
+    accepted drafts the other rows dropped for it (not in `accepted_tokens`). `ragged_rounds` counts the rounds whose
+    rows accepted different counts: each leaves masked slots in the rows that accepted fewer, which the attention
+    masks (sliding windows and chunks included) must count past.
 
     A K/V-only compressor on a layer that reads its full tier in place builds the draft tier when drafting first
     needs it, not at prefill, and plain rounds for a long while free it (`draft_tier_frees`); each build from the
@@ -60,6 +64,7 @@ class VeriCacheStats:
     draft_tier_bytes: int = 0
     full_tier_bytes: int = 0
     recurrent_state_bytes: int = 0
+    window_tier_bytes: int = 0
     chunk_transfers: int = 0
     transfer_seconds: float = 0.0
     transfer_wait_seconds: float = 0.0
@@ -74,6 +79,7 @@ class VeriCacheStats:
     proposal_kept_tokens: int = 0
     proposals_verified_kept: int = 0  # proposals the full tier accepted in plain rounds (verified directly)
     drafts_given_up: int = 0  # accepted drafts dropped so that every row grows alike (uniform acceptance)
+    ragged_rounds: int = 0
     prefix_tokens_reused: int = 0
     prefix_compressed_bytes: int = 0
     prefix_full_bytes: int = 0
@@ -142,6 +148,7 @@ class VeriCacheStats:
         self.row_rounds += len(accepted)
         self.drafted_tokens += draft_length * len(accepted)
         self.accepted_tokens += sum(accepted)
+        self.ragged_rounds += len(set(accepted)) > 1
         self.accepted_per_round.append(sum(accepted) / len(accepted) if accepted else 0.0)
         self.draft_lengths.append(draft_length)
 

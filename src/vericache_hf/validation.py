@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 
 from .compat import passed_cache
-from .layer_plan import layer_plan, recurrent_states
+from .layer_plan import layer_plan, recurrent_states, text_config, window_layers
 
 
 def check_model(model) -> None:
@@ -94,6 +94,13 @@ def check_prompt_inputs(model, model_kwargs: dict, config, cohorts) -> dict:
     if not inputs:
         return {}
     names = sorted(inputs)
+    cross = getattr(text_config(model), "cross_attention_layers", None)
+    if cross:
+        raise ValueError(
+            f"VeriCache serves {type(model).__name__}'s text alone: its cross-attention layers {list(cross)} would "
+            f"attend to the image states made from {names}, which VeriCache's tiers do not hold. Use stock "
+            "generate() for image inputs with this model, or pass text alone."
+        )
     if config.prefix_store is not None or cohorts is not None:
         raise ValueError(
             f"VeriCache reuses and shares prompts by their token ids, but this call also passes {names}. Drop the "
@@ -110,11 +117,19 @@ def check_prompt_inputs(model, model_kwargs: dict, config, cohorts) -> dict:
 
 def check_shared_state(model, config, cohorts=None, prefixes=None) -> None:
     """Refuse a stored or shared prompt for a model with recurrent layers: a stored prefix and a cohort's rows
-    carry attention K/V alone, and a recurrent layer's state after a prefix is not made of them."""
+    carry attention K/V alone, and a recurrent layer's state after a prefix is not made of them. A stored prefix
+    carries two tiers, so a model with window layers (one exact tier) is refused it too."""
     layers = sorted(recurrent_states(model))
     if layers and (config.prefix_store is not None or cohorts is not None or prefixes is not None):
         raise ValueError(
             f"{type(model).__name__} keeps a recurrent state in layers {layers}, which VeriCache's prefix stores "
             "and cohorts do not carry (they hold attention K/V). Drop prefix_store, or call generate directly "
             "rather than through VeriCacheEngine, for this model."
+        )
+    windows = sorted(window_layers(layer_plan(model, strict=False)))
+    if windows and (config.prefix_store is not None or prefixes is not None):
+        raise ValueError(
+            f"{type(model).__name__}'s sliding-window layers {windows} keep one exact tier on the device, which "
+            "VeriCache's prefix stores do not carry (they hold the full-attention layers' two tiers). Drop "
+            "prefix_store (or the engine's prefix_cache_memory) for this model."
         )

@@ -60,13 +60,15 @@ class VerifyPass:
     `chunks(layer_idx)` yields a streamed layer's full tier as (B, H_kv, n, D) key/value chunks on its device, in
     order. `streamed` are the layers whose cache update handed attention only the block's own tokens: the cache
     checks after the pass that each was served here (`served`), so a pass that did not run through the wrapper
-    raises instead of attending to the new tokens alone."""
+    raises instead of attending to the new tokens alone. `windowed` are the window layers (`cache/window.py`): their
+    keys are a window's, under a mask of their own, so they take the model's own attention."""
 
     kernel: str = "sdpa"
     dense: bool = False
     chunks: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]] | None = None
     streamed: set[int] = field(default_factory=set)
     served: set[int] = field(default_factory=set)
+    windowed: frozenset[int] = frozenset()
     _block_masks: dict = field(default_factory=dict, repr=False)
 
     def attend(self, module, query, key, value, attention_mask, stock: Stock, dropout: float = 0.0, **kwargs):
@@ -77,7 +79,12 @@ class VerifyPass:
                 self, module, query, key, value, attention_mask, stock, dropout, **kwargs
             )
         kernel = self.kernel
-        if kernel == "sdpa" or dropout or any(kwargs.get(name) is not None for name in _SPECIAL):
+        if (
+            kernel == "sdpa"
+            or module.layer_idx in self.windowed
+            or dropout
+            or any(kwargs.get(name) is not None for name in _SPECIAL)
+        ):
             return stock(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
         if kernel == "lower_right" and self.dense:
             return _lower_right(module, query, key, value, kwargs.get("scaling"))

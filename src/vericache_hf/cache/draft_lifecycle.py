@@ -70,9 +70,11 @@ class DraftTierLifecycle:
         """A prefill layer's queries arrived: compress its prompt K/V at once, or hold them for `build`."""
         owner = self.owner
         layer = owner.layers[context.layer_idx]
+        if layer not in owner.tiered:  # a window layer keeps its tokens exact
+            return
         if self.defers_compression(layer):
             # a refusal comes before the first token
-            if context.layer_idx == 0 and layer.prompt_kv is not None:
+            if layer is owner.tiered[0] and layer.prompt_kv is not None:
                 owner.compressor.check_layer(*layer.prompt_kv, context)
             layer.prompt_kv = None
             self.prompt_inputs[context.layer_idx] = context.detached()

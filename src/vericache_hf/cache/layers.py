@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DummyLayer
 
 from .compressor import CompressionContext
 from .draft_tier import DraftStore
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .vericache import VeriCache
 
 
-class VeriCacheLayer(CacheLayerMixin):
-    """One decoder layer's two tiers."""
+class PhasedLayer(CacheLayerMixin):
+    """A layer whose update is the owning cache's phase's: `_prefill`, `_draft` or `_verify`."""
 
     is_sliding = False
     is_compileable = False
@@ -35,20 +35,13 @@ class VeriCacheLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.owner = owner
-        self.full = HostKVStore(owner.chunk_tokens)
-        self.draft: DraftStore | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.pending_in_place = False
-        self.prompt_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # until the layer's queries arrive
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        # the K/V live in the tiers; empty keys answer a model that asks every layer whether it holds any (Mllama)
+        self.keys = self.values = key_states.new_empty(0)
         self.is_initialized = True
-
-    @property
-    def reads_in_place(self) -> bool:
-        """A layer on the CPU attends to its host full tier itself, unless `stage_on_cpu` asks for the copies."""
-        return self.device.type == "cpu" and not self.owner.stage_on_cpu
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -66,6 +59,31 @@ class VeriCacheLayer(CacheLayerMixin):
             f"a forward wrote to VeriCache layer {self.layer_idx} outside a phase; run it inside the cache's "
             "prefilling(), drafting() or verifying() block."
         )
+
+    def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _draft(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _verify(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class VeriCacheLayer(PhasedLayer):
+    """One decoder layer's two tiers."""
+
+    def __init__(self, layer_idx: int, owner: VeriCache) -> None:
+        super().__init__(layer_idx, owner)
+        self.full = HostKVStore(owner.chunk_tokens)
+        self.draft: DraftStore | None = None
+        self.pending_in_place = False
+        self.prompt_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # until the layer's queries arrive
+
+    @property
+    def reads_in_place(self) -> bool:
+        """A layer on the CPU attends to its host full tier itself, unless `stage_on_cpu` asks for the copies."""
+        return self.device.type == "cpu" and not self.owner.stage_on_cpu
 
     def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         owner = self.owner
@@ -152,6 +170,16 @@ class VeriCacheLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+class EmptyLayer(DummyLayer):
+    """A layer with nothing to cache: a feed-forward block alone, or cross-attention to images a text-only call
+    does not give. Its keys are empty rather than None, so a model that asks whether the layer holds any (Mllama's
+    cross-attention layers skip themselves while theirs hold none) reads no."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = self.values = torch.empty(0)
 
 
 class PairedLayer(RecurrentLayer, VeriCacheLayer):

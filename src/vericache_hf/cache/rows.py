@@ -7,7 +7,8 @@ masked slot never shifts a row's rotary phase), and rows that stay are moved up 
 tier of a compressor that works from K/V alone is left to be rebuilt from the new full tier
 (`DraftTierLifecycle.build`, the next time drafting needs it); a query-aware compressor's token-dropped tier is
 carried over through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first,
-`build_carried_tier`).
+`build_carried_tier`). A window layer (`window.py`) holds the tail of the full tier's layout: its rows move with the
+full tier's, and it reaches back far enough in the new layout for every row's window.
 Call them between rounds only: no pass in flight, no drafts, no pending tokens.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from .draft_tier import DraftStore, TokenStore
 from .vericache import VeriCache
+from .window import WindowLayer
 
 
 def can_share_rows(cache: VeriCache) -> bool:
@@ -25,7 +27,7 @@ def can_share_rows(cache: VeriCache) -> bool:
     compositions that quantize cannot."""
     if cache.draft_tier.rebuildable:
         return True
-    return cache.compressor.restorable and all(type(layer.draft) is TokenStore for layer in cache.layers)
+    return cache.compressor.restorable and all(type(layer.draft) is TokenStore for layer in cache.tiered)
 
 
 def build_carried_tier(cache: VeriCache) -> None:
@@ -47,6 +49,9 @@ def join(cache: VeriCache, others: list[VeriCache]) -> None:
             [_pad(valid, length, 1, False, left=False), _pad(other.full_valid, length, 1, False)]
         )
     for i, layer in enumerate(cache.layers):
+        if isinstance(layer, WindowLayer):
+            _join_windows(cache, i, others)
+            continue
         for other in others:
             layer.full.add_rows(*other.layers[i].full.view())
         if cache.draft_tier.rebuildable:
@@ -65,6 +70,12 @@ def keep(cache: VeriCache, rows: list[int]) -> None:
     dead = _leading_dead(valid)
     drop = dead if 2 * dead >= valid.shape[-1] else 0
     for layer in cache.layers:
+        if isinstance(layer, WindowLayer):
+            keys, values, held = layer.view()
+            index = torch.tensor(rows, device=keys.device)
+            cut = max(0, drop - (cache.full_valid.shape[-1] - layer.length))  # the dropped slots it holds
+            layer.hold(keys[index][:, :, cut:], values[index][:, :, cut:], held[index][:, cut:])
+            continue
         layer.full.keep_rows(rows, drop)
         if cache.draft_tier.rebuildable:
             layer.draft = None
@@ -80,11 +91,47 @@ def copy_row(cache: VeriCache, row: int) -> VeriCache:
     valid = cache.full_valid[index]
     held = valid[0].nonzero()[:, 0]
     first, end = int(held[0]), int(held[-1]) + 1  # the row's masked slots in front and behind are left out
-    full = [tuple(kv[index][:, :, first:end] for kv in layer.full.view()) for layer in cache.layers]
+    full = []
+    for layer in cache.layers:
+        if isinstance(layer, WindowLayer):  # its slots from `first` on, up to `end`
+            start = cache.full_valid.shape[-1] - layer.length
+            keys, values, window_valid = layer.view()
+            window = slice(max(first - start, 0), end - start)
+            full.append(
+                (keys[index][:, :, window], values[index][:, :, window], window_valid[index][:, window])
+            )
+        else:
+            full.append(tuple(kv[index][:, :, first:end] for kv in layer.full.view()))
     drafts = None
     if not cache.draft_tier.rebuildable:
-        drafts = [cache.compressor.restore(_selected_state(layer.draft, index)) for layer in cache.layers]
+        drafts = [
+            cache.compressor.restore(_selected_state(layer.draft, index)) if layer in cache.tiered else None
+            for layer in cache.layers
+        ]
     return _rebuilt(cache, full, valid[:, first:end], drafts)
+
+
+def _join_windows(cache: VeriCache, index: int, others: list[VeriCache]) -> None:
+    """Stack the window layer `index` of the joining caches under `cache`'s, as `HostKVStore.add_rows` stacks full
+    tiers: one cache at a time, the stored rows padded behind to the longer layout, the joining rows in front. A
+    window is its layout's tail, so only the padding behind it moves it; the stack reaches back as far as the
+    farthest-reaching window."""
+    keys, values, valid = cache.layers[index].view()
+    length = cache.full_valid.shape[-1]
+    for other in others:
+        other_keys, other_values, other_valid = other.layers[index].view()
+        joined = max(length, other.full_valid.shape[-1])
+        size = valid.shape[-1] + joined - length
+        span = max(size, other_valid.shape[-1])
+        keys = torch.cat([_pad(_pad(keys, size, 2, 0, left=False), span, 2, 0), _pad(other_keys, span, 2, 0)])
+        values = torch.cat(
+            [_pad(_pad(values, size, 2, 0, left=False), span, 2, 0), _pad(other_values, span, 2, 0)]
+        )
+        valid = torch.cat(
+            [_pad(_pad(valid, size, 1, False, left=False), span, 1, False), _pad(other_valid, span, 1, False)]
+        )
+        length = joined
+    cache.layers[index].hold(keys, values, valid)
 
 
 def _check_between_rounds(cache: VeriCache) -> None:
@@ -138,12 +185,13 @@ def _selected_state(store: DraftStore, index: torch.Tensor) -> dict[str, torch.T
 
 def _rebuilt(
     template: VeriCache,
-    full: list[tuple[torch.Tensor, torch.Tensor]],
+    full: list[tuple[torch.Tensor, ...]],
     valid: torch.Tensor,
     drafts: list[DraftStore] | None,
 ) -> VeriCache:
     """A cache with `template`'s settings, stats and transfer queue, holding the given full tier (each layer's
-    (B, H, T, D) keys and values, `valid` (B, T)) and draft tier (None: rebuilt when drafting next needs it)."""
+    (B, H, T, D) keys and values, `valid` (B, T); a window layer's keys, values and validity of its own) and draft
+    tier (None: rebuilt when drafting next needs it)."""
     cache = VeriCache(
         len(template.layers),
         template.compressor,
@@ -154,8 +202,12 @@ def _rebuilt(
         transfers=template.stream.transfers,
         refresh_policy=template.draft_tier.refresh_policy,
         stage_on_cpu=template.stage_on_cpu,
+        windowed={layer.layer_idx: layer.window for layer in template.windowed},
     )
     for i, (layer, old) in enumerate(zip(cache.layers, template.layers, strict=True)):
+        if isinstance(layer, WindowLayer):
+            layer.hold(*full[i])
+            continue
         like = torch.empty(0, dtype=old.dtype, device=old.device)
         layer.lazy_initialization(like, like)
         layer.full.append(*full[i])

@@ -22,7 +22,9 @@ The cache owns one of each of its helpers, and drives them from its phases:
 - `stream` (`FullTierStream`, `streaming.py`): the full tier's transfers to the device for each verify pass;
 - `prefix_load` (`PrefixLoad`, `prefix_load.py`): a stored prefix reaching the full tier outside a prefill;
 - `draft_tier` (`DraftTierLifecycle`, `draft_lifecycle.py`): when the draft tier is built, freed and refreshed.
-Its layers (`layers.py`) ask it for the phase, and those helpers for what a phase reads.
+Its layers (`layers.py`) ask it for the phase, and those helpers for what a phase reads. A sliding-window layer of a
+model that has full-attention layers too is a `WindowLayer` (`window.py`): one exact tier on the device, which
+draft and verify passes both read; a hybrid model's recurrent layers keep one state (`recurrent.py`).
 
 Every length this cache reports is *physical* (slots held), which is what transformers' mask code works in. Rows may
 hold masked slots (left padding, or tokens another row accepted that this row did not), so the loop always passes
@@ -36,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 
 from ..attention import ACTIVE_CAPTURE, CAPTURE_KWARG
 from ..checks import check_int
@@ -47,12 +49,13 @@ from .capture import QueryCapture
 from .compressor import Compressor
 from .draft_lifecycle import DraftTierLifecycle
 from .draft_tier import DraftStore
-from .layers import PairedLayer, VeriCacheLayer, draft_tier_bytes
+from .layers import EmptyLayer, PairedLayer, VeriCacheLayer, draft_tier_bytes
 from .prefix_load import PrefixLoad
 from .recurrent import RecurrentLayer
 from .refresh import RefreshPolicy
 from .streaming import FullTierStream
 from .transfer import TransferEngine
+from .window import WindowLayer
 
 
 class VeriCache(Cache):
@@ -86,6 +89,7 @@ class VeriCache(Cache):
         recurrent: dict[int, int] | None = None,
         paired: set[int] | None = None,
         stateless: set[int] | None = None,
+        windowed: dict[int, int] | None = None,
     ) -> None:
         if staging_chunk_tokens is not None:
             check_int("staging_chunk_tokens", staging_chunk_tokens)
@@ -106,13 +110,23 @@ class VeriCache(Cache):
         self._full_dense = self._draft_dense = False
         self.prefix_load = PrefixLoad(self)
         recurrent, paired, stateless = recurrent or {}, paired or set(), stateless or set()
+        windowed = windowed or {}
+        if len(set(windowed.values())) > 1:
+            raise ValueError(
+                f"window layers share one 2-D mask, so one window size; got {sorted(set(windowed.values()))}"
+            )
+        self._pass_query = (
+            0  # the running pass's query length, which places the window layers' part of its mask
+        )
         super().__init__(
             layers=[
-                PairedLayer(i, self, recurrent[i])
+                WindowLayer(i, windowed[i], self)
+                if i in windowed
+                else PairedLayer(i, self, recurrent[i])
                 if i in paired
                 else RecurrentLayer(i, recurrent[i])
                 if i in recurrent
-                else DummyLayer()
+                else EmptyLayer()
                 if i in stateless
                 else VeriCacheLayer(i, self)
                 for i in range(num_layers)
@@ -126,6 +140,8 @@ class VeriCache(Cache):
         self.recurrent: list[RecurrentLayer] = [
             layer for layer in self.layers if isinstance(layer, RecurrentLayer)
         ]
+        #: the sliding-window layers of a model that has full-attention layers too: one exact tier, on the device
+        self.windowed: list[WindowLayer] = [layer for layer in self.layers if isinstance(layer, WindowLayer)]
         self.stream = FullTierStream(
             self.tiered,
             self.stats,
@@ -241,6 +257,23 @@ class VeriCache(Cache):
         layer = self.layers[layer_idx]
         return (layer if isinstance(layer, VeriCacheLayer) else self.tiered[0]).get_seq_length()
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if isinstance(layer, WindowLayer):
+            return layer.query_offset()
+        return self.get_seq_length(layer_idx)
+
+    def window_start(self, held: int) -> int:
+        """Where a window layer holding `held` committed slots begins in the running pass's 2-D mask: at the tail
+        of the full tier's layout in a verify pass; after the draft tier's layout, which the full-attention layers
+        read, in a draft pass (`attention_mask`)."""
+        if self.phase == "drafting":
+            draft = self.tiered[0].draft
+            return draft.num_committed + draft.num_drafted + self._pass_query
+        if self.phase == "verifying":
+            return self.full_valid.shape[-1] - held
+        return 0
+
     def rows_changed(self, valid: torch.Tensor) -> None:
         """Rows joined or left between rounds (`rows.py` rewrote each layer's tiers): `valid` (B, T) marks the full
         tier's real slots now."""
@@ -273,6 +306,8 @@ class VeriCache(Cache):
             self._draft_valid = None
             for layer in self.tiered:
                 layer.draft.rollback_draft()
+            for layer in self.windowed:
+                layer.rollback()
             for layer in self.recurrent:
                 layer.restore_state()
 
@@ -317,6 +352,8 @@ class VeriCache(Cache):
         except BaseException:
             for layer in self.tiered:
                 layer.pending = None
+            for layer in self.windowed:
+                layer.rollback()
             for layer in self.recurrent:
                 layer.restore_state()
             raise
@@ -332,6 +369,7 @@ class VeriCache(Cache):
             kernel=resolve_kernel(self.verify_attention, device),
             dense=self._full_dense,
             chunks=self.stream.stream_chunks,
+            windowed=frozenset(layer.layer_idx for layer in self.windowed),
         )
 
     def _check_served(self) -> None:
@@ -349,6 +387,8 @@ class VeriCache(Cache):
             raise RuntimeError("commit follows a verify pass; there is nothing to commit.")
         for layer in self.tiered:
             layer.commit(count, valid)
+        for layer in self.windowed:
+            layer.commit(count, valid)
         for layer in self.recurrent:
             layer.keep_states(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)
@@ -357,12 +397,21 @@ class VeriCache(Cache):
     def attention_mask(self, query_length: int) -> torch.Tensor | None:
         """(B, slots + query_length) mask over the physical slots of the tier the next pass reads, or None when
         every slot holds a real token: then the pass is causal over physical slots, which transformers builds
-        itself, and a one-token pass needs no mask at all (sdpa's fastest path, as in a stock decode step)."""
+        itself, and a one-token pass needs no mask at all (sdpa's fastest path, as in a stock decode step). A draft
+        pass of a model with window layers reads two layouts, the draft tier's and the windows' (`window.py`): the
+        mask holds both, one after the other, and each kind of layer sizes its own part (`get_mask_sizes`)."""
+        self._pass_query = query_length
         if self.phase == "drafting":
-            if self._draft_dense:
-                return None
             draft = self.tiered[0].draft
-            committed = torch.cat([draft.valid, self._draft_marks(draft.num_drafted)], dim=-1)
+            marks = self._draft_marks(draft.num_drafted)
+            window = self.windowed[0].valid if self.windowed else None
+            if self._draft_dense and (window is None or bool(window.all())):
+                return None
+            committed = torch.cat([draft.valid, marks], dim=-1)
+            if window is not None:
+                fresh = committed.new_ones((committed.shape[0], query_length))
+                parts = [committed, fresh, window, marks]
+                committed = torch.cat([part.to(fresh.device) for part in parts], dim=-1)
         else:
             if self._full_dense:
                 return None
@@ -372,6 +421,9 @@ class VeriCache(Cache):
 
     def draft_tier_bytes(self) -> int:
         return draft_tier_bytes(self.tiered)
+
+    def window_tier_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.windowed)
 
     def recurrent_state_bytes(self) -> int:
         return sum(layer.state_bytes() for layer in self.recurrent)

@@ -17,9 +17,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..cache.staging import buffer_tokens
+from ..cache.window import held_slots
 from ..compressors import build_compressor
 from ..config import VeriCacheConfig
-from ..layer_plan import RECURRENT_KINDS
+from ..layer_plan import RECURRENT_KINDS, layer_plan, window_layers
 from .layer_bytes import layer_bytes
 
 __all__ = ["Footprint", "MemoryBudget", "footprint", "parse_bytes"]
@@ -44,14 +45,16 @@ def parse_bytes(value: int | str) -> int:
 
 @dataclass(frozen=True)
 class Footprint:
-    """A request's device bytes under VeriCache (draft tier, staging buffers, recurrent states) and with stock's
-    cache on the device (`full_kv_bytes`), each also by layer kind (`config.layer_types` values; staging apart)."""
+    """A request's device bytes under VeriCache (draft tier, staging buffers, recurrent states, window layers' one
+    tier) and with stock's cache on the device (`full_kv_bytes`), each also by layer kind (`config.layer_types`
+    values; staging apart)."""
 
     device_bytes: int
     full_kv_bytes: int
     draft_bytes: int = 0
     staging_bytes: int = 0
     recurrent_bytes: int = 0
+    window_bytes: int = 0
     device_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
     full_kv_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
 
@@ -81,8 +84,9 @@ def footprint(
 
     Stock holds every token in a full-attention layer, at most its window in a sliding or chunked one, a
     recurrent layer's state, and nothing for a layer without attention. VeriCache holds the draft tier of every
-    attention layer (sliding and chunked ones included: their full tier keeps every token too), the staging
-    buffers, and each recurrent layer's state with the copies its roll-back keeps during a round."""
+    two-tier attention layer, the staging buffers (for the widest of those layers), the window of each window layer
+    (`cache/window.py`: sliding layers of a model with full-attention layers too, with a trim's slack), and each
+    recurrent layer's state with the copies its roll-back keeps during a round."""
     if on_device is None:
         on_device = model.device.type != "cpu" or config.stage_on_cpu
     compressor = build_compressor(
@@ -93,11 +97,17 @@ def footprint(
     block = config.max_draft_length + 1  # a verify pass's tokens
     device, full = defaultdict(int), defaultdict(int)
     widest = 0  # the largest token of any staged layer: a staging buffer holds one layer's chunk at a time
+    windows, window = window_layers(layer_plan(model, strict=False)), 0
     for layer in layer_bytes(model):
         if layer.token:
             stock_tokens = total if layer.window is None else min(total, layer.window)
-            device[layer.kind] += layer.token * drafted
             full[layer.kind] += layer.token * stock_tokens
+            if layer.index in windows:
+                held = layer.token * held_slots(stock_tokens, block)
+                device[layer.kind] += held
+                window += held
+                continue
+            device[layer.kind] += layer.token * drafted
             widest = max(widest, layer.token)
         elif layer.kind in RECURRENT_KINDS:
             # the live state, the copy taken before drafting, and a verify pass's recording: the recurrent state
@@ -110,13 +120,14 @@ def footprint(
         else 0
     )
     recurrent = sum(device[kind] for kind in RECURRENT_KINDS)
-    draft = sum(device.values()) - recurrent
+    draft = sum(device.values()) - recurrent - window
     return Footprint(
-        draft + staging + recurrent,
+        draft + staging + recurrent + window,
         sum(full.values()),
         draft,
         staging,
         recurrent,
+        window,
         dict(device),
         dict(full),
     )

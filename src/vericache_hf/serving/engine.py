@@ -28,6 +28,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
@@ -41,6 +42,7 @@ from .._threads import waiting
 from ..cache.transfer import TransferEngine
 from ..checks import check_int
 from ..decoding import resolve_config
+from ..layer_plan import layer_plan, window_layers
 from ..prefix.shared import SharedPrefixes
 from ..registration import MODE
 from .admission import Footprint, MemoryBudget, footprint, parse_bytes
@@ -113,7 +115,8 @@ class VeriCacheEngine:
     on its own worker, so lower `max_concurrent` then; a model that counts positions from its cache's length, as the
     BART family's causal decoders do, needs it). `prefix_cache_memory` (host bytes, or None for none) keeps
     prompts' exact K/V for later requests that start the same way: their prefill computes only the rest (see
-    `prefix/shared.py`). Use it as a context manager, or call `start()` and `stop()`.
+    `prefix/shared.py`); a model with window layers (`cache/window.py`) prefills every prompt whole, since they keep
+    no full tier to share from. Use it as a context manager, or call `start()` and `stop()`.
     """
 
     def __init__(
@@ -143,6 +146,13 @@ class VeriCacheEngine:
         )
         self.timeline = config.timeline  # each request's spans go on a track named after it
         # prompts' exact K/V kept for the requests after (prefix caching): a shared prefix is not prefilled again
+        if prefix_cache_memory and window_layers(layer_plan(model, strict=False)):
+            warnings.warn(
+                f"{type(model).__name__}'s sliding-window layers keep one exact tier and no full tier to share a "
+                "prefix from: the engine prefills every prompt whole (pass prefix_cache_memory=None to say so).",
+                stacklevel=2,
+            )
+            prefix_cache_memory = None
         self._prefixes = (
             SharedPrefixes(model, parse_bytes(prefix_cache_memory), config.prefix_chunk_tokens)
             if prefix_cache_memory
