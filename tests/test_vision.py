@@ -1,6 +1,7 @@
 """Vision-language models with image inputs: the prefill gets the images as stock `generate`'s first step does,
-and the text decoding that follows is one of the families in `docs/models.md` (Gemma 3's with window layers). Exact against stock on tiny
-random models, or refused before decoding where the model derives rotary positions from the images."""
+and the text decoding that follows is one of the families in `docs/models.md` (Gemma 3's with window layers).
+Exact against stock on tiny random models, or refused before decoding where the model derives rotary positions
+from the images."""
 
 from __future__ import annotations
 
