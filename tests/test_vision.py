@@ -15,7 +15,9 @@ import vericache_hf
 from vericache_tools.families import tiny_config
 
 #: family: image tokens in the prompt for a 32x32 image of 8x8 patches
-IMAGE_TOKENS = {"gemma3": 16, "llava": 16}
+IMAGE_TOKENS = {"gemma3": 16, "llava": 16, "smolvlm": 4}
+#: families whose pixel values have an images dimension, (batch, images, channels, height, width)
+IMAGE_LISTS = {"smolvlm"}
 IMAGE_TOKEN = 127
 
 
@@ -38,12 +40,13 @@ def vision_model(family: str):
     return model, config
 
 
-def image_prompt(config, tokens: int, seed: int = 0) -> dict:
+def image_prompt(config, tokens: int, seed: int = 0, listed: bool = False) -> dict:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 100, (1, 48), generator=generator)
     image = IMAGE_TOKEN
     ids[0, 6 : 6 + tokens] = image
     pixels = torch.randn(1, 3, 32, 32, generator=generator, dtype=torch.float64)
+    pixels = pixels[:, None] if listed else pixels
     inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
     return inputs
 
@@ -51,7 +54,7 @@ def image_prompt(config, tokens: int, seed: int = 0) -> dict:
 @pytest.mark.parametrize("family", sorted(IMAGE_TOKENS))
 def test_image_prompts_match_stock(family):
     model, config = vision_model(family)
-    inputs = image_prompt(config, IMAGE_TOKENS[family])
+    inputs = image_prompt(config, IMAGE_TOKENS[family], listed=family in IMAGE_LISTS)
     if (
         "token_type_ids" in inspect.signature(model.forward).parameters
     ):  # Gemma 3: image tokens see each other
@@ -59,7 +62,7 @@ def test_image_prompts_match_stock(family):
     expected = model.generate(**inputs, do_sample=False, max_new_tokens=16, min_new_tokens=16)
     other_image = {
         **inputs,
-        "pixel_values": image_prompt(config, IMAGE_TOKENS[family], seed=1)["pixel_values"],
+        "pixel_values": image_prompt(config, IMAGE_TOKENS[family], 1, family in IMAGE_LISTS)["pixel_values"],
     }
     elsewhere = model.generate(**other_image, do_sample=False, max_new_tokens=16, min_new_tokens=16)
     assert not torch.equal(expected, elsewhere)  # the image moves the output, so dropping it would show
