@@ -55,7 +55,7 @@ from .recurrent import RecurrentLayer
 from .refresh import RefreshPolicy
 from .streaming import FullTierStream
 from .transfer import TransferEngine
-from .window import WindowLayer
+from .window import WindowLayer, first_needed
 
 
 class VeriCache(Cache):
@@ -389,6 +389,10 @@ class VeriCache(Cache):
             layer.commit(count, valid)
         for layer in self.windowed:
             layer.commit(count, valid)
+        if self.windowed:  # every window layer holds the same slots: where to cut is found once
+            first = first_needed(self.windowed[0].valid, self.windowed[0].window)
+            for layer in self.windowed:
+                layer.trim(first=first)
         for layer in self.recurrent:
             layer.keep_states(count, valid)
         self.full_valid = torch.cat([self.full_valid, valid.to(self.full_valid.device)], dim=-1)

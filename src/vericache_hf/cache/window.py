@@ -35,6 +35,17 @@ def held_slots(tokens: int, block: int) -> int:
     return tokens + 3 * TRIM_STEP + block
 
 
+def first_needed(valid: torch.Tensor, window: int) -> int:
+    """The first of (B, n) `valid`'s slots that some row's last `window` real tokens reach (n if none does); one
+    device sync, since every window layer of a cache holds the same slots and the cache asks once per commit."""
+    later = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot, per row
+    needed = (valid & (later <= window)).any(dim=0)
+    first = torch.where(
+        needed.any(), torch.argmax(needed.int()), needed.new_tensor(valid.shape[-1], dtype=torch.long)
+    )
+    return int(first.item())
+
+
 class WindowLayer(PhasedLayer):
     """One sliding-window layer's exact K/V, on the device, read by draft and verify passes alike."""
 
@@ -77,24 +88,21 @@ class WindowLayer(PhasedLayer):
         self.pending = None
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
-        """Keep the first `count` tokens of the verify pass, then forget what no row's window reaches."""
+        """Keep the first `count` tokens of the verify pass (the cache trims its window layers after)."""
         keys, values = self.pending
         dtype = self.store.keys.dtype
         self.store.commit(
             keys[:, :, :count].to(dtype), values[:, :, :count].to(dtype), valid.to(self.store.keys.device)
         )
         self.pending = None
-        self.trim()
 
-    def trim(self, at_least: int = TRIM_STEP) -> None:
-        """Keep the slots from the first of some row's last `window` real tokens on, in a buffer of their own with
-        room for `TRIM_STEP` more and a round's tokens, once `at_least` slots can go: the buffer stays bounded by the
-        window, however long the context."""
+    def trim(self, at_least: int = TRIM_STEP, first: int | None = None) -> None:
+        """Keep the slots from `first` on (by default the first that some row's window reaches, `first_needed`) in a
+        buffer of their own with room for `TRIM_STEP` more and a round's tokens, once `at_least` slots can go: the
+        buffer stays bounded by the window, however long the context."""
         store = self.store
         valid = store.valid
-        later = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot, per row
-        needed = (valid & (later <= self.window)).any(dim=0)  # slots inside some row's window
-        first = int(torch.argmax(needed.int()).item()) if bool(needed.any()) else self.length
+        first = first_needed(valid, self.window) if first is None else first
         if first < at_least:
             return
         end = store.num_committed
