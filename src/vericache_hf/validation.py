@@ -126,8 +126,9 @@ def check_shared_state(model, config, cohorts=None, prefixes=None) -> None:
             "and cohorts do not carry (they hold attention K/V). Drop prefix_store, or call generate directly "
             "rather than through VeriCacheEngine, for this model."
         )
-    windows = sorted(window_layers(layer_plan(model, strict=False)))
-    if windows and (config.prefix_store is not None or prefixes is not None):
+    stored = config.prefix_store is not None or prefixes is not None
+    windows = sorted(window_layers(layer_plan(model, strict=False))) if stored else []
+    if windows:
         raise ValueError(
             f"{type(model).__name__}'s sliding-window layers {windows} keep one exact tier on the device, which "
             "VeriCache's prefix stores do not carry (they hold the full-attention layers' two tiers). Drop "
