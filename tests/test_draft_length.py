@@ -587,3 +587,38 @@ def test_each_model_owns_its_priors_and_threads_share_them_safely():
     assert priors_for(second).recall("plain") is None
     priors_for(first).forget()
     assert len(priors_for(first)) == 0
+
+
+def disturbed_first_draft(schedule, rounds: int, accept_run: int, draft_step: float) -> list[int]:
+    """Plain rounds of 20 ms; the first drafted round runs 2.5x slow in every part (another process on the cores),
+    later ones cost `draft_step` a draft and 22 ms + 1 ms a token a verify pass, every row accepting `accept_run`."""
+    lengths = []
+    for _ in range(rounds):
+        k = schedule.current
+        disturbed = not any(lengths)
+        lengths.append(k)
+        step, verify = (0.0, 0.02) if not k else (draft_step, 0.022 + 0.001 * (k + 1))
+        scale = 2.5 if k and disturbed else 1.0
+        schedule.observe(k, [min(k, accept_run)] * 2, scale * k * step, scale * verify, remaining=10_000)
+    return lengths
+
+
+def test_one_slow_drafted_round_does_not_keep_a_call_plain():
+    """`Payoff` vetoes probes on draft prices that only drafted rounds measure: after one slow first draft every
+    probe was vetoed, and a call ran plain to its end. Where drafts ran through, a probe comes anyway after some
+    plain rounds, measures the draft prices anew, and drafting takes over."""
+    lengths = disturbed_first_draft(CostAwareDraftLength(VeriCacheConfig()), 300, 10_000, draft_step=0.004)
+    drafted = [i for i, k in enumerate(lengths) if k]
+    assert drafted[0] == 2 and drafted[1] - drafted[0] <= Exploration.FIRST_REMEASURE_AFTER + 2
+    assert sum(k > 0 for k in lengths[100:]) > 0.9 * len(lengths[100:])
+
+
+def test_a_draft_price_measured_anew_still_keeps_plain_rounds_where_drafting_does_not_pay():
+    """The same slow first draft, where drafts are rejected at once or a draft step truly costs a plain round: the
+    call stays plain, with re-measuring probes only where drafts ran through, ever more rarely."""
+    rejected = disturbed_first_draft(CostAwareDraftLength(VeriCacheConfig()), 600, 0, draft_step=0.004)
+    assert [i for i, k in enumerate(rejected) if k] == [2]
+    dear = disturbed_first_draft(CostAwareDraftLength(VeriCacheConfig()), 600, 10_000, draft_step=0.02)
+    probes = [i for i, k in enumerate(dear) if k]
+    gaps = [b - a for a, b in pairwise(probes)]
+    assert 2 <= len(probes) <= 6 and gaps == sorted(gaps)

@@ -158,8 +158,11 @@ class CostAwareDraftLength(DraftLengthSchedule):
         # one at batch 4): it is not timed, or a plain price from it alone would make drafting look cheap
         if self.rounds_seen:
             below = self.costs.shows_plain_stale(width, verify)
-            plain_anew = self.exploration.plain_probing
-            self.costs.observe(drafted, accepted, width, draft_seconds, verify, asked, passes, plain_anew)
+            exploration = self.exploration
+            anew = dict(
+                plain_anew=exploration.plain_probing, draft_anew=exploration.remeasuring and drafted > 0
+            )
+            self.costs.observe(drafted, accepted, width, draft_seconds, verify, asked, passes, **anew)
             self.exploration.note_pass(width, accepted, below)
         self.rounds_seen += 1
         self.costs.observe_acceptance(drafted, accepted)
@@ -202,11 +205,18 @@ class CostAwareDraftLength(DraftLengthSchedule):
         best = max([0, *range(self.low, self.high + 1)], key=lambda k: costs.tokens_per_second(k, curve))
         if best:
             return 0 if self.exploration.drafting_leads(drafted) else best
-        if self.exploration.plain_leads(drafted) and self.payoff.probe_pays(
-            self.probe_length, remaining, tier_held, curve
-        ):
-            self.exploration.start_probe()
-            return self.probe_length
+        exploration, k = self.exploration, self.probe_length
+        if not exploration.plain_leads(drafted):
+            return 0
+        if self.payoff.probe_pays(k, remaining, tier_held, curve):
+            exploration.start_probe()
+            return k
+        # the veto rests on draft prices no plain round updates: where drafts run through, they are measured anew
+        # now and then, so one slow drafted round cannot keep a long call plain
+        horizon = remaining is None or remaining > exploration.FIRST_PROBE_AFTER
+        if tier_held and horizon and exploration.remeasure_due and curve[k] >= (k + 1) / 2:
+            exploration.start_remeasure()
+            return k
         return 0
 
 

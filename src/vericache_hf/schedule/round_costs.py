@@ -70,10 +70,16 @@ class RoundCosts:
         asked: bool,
         passes: int | None = None,
         plain_anew: bool = False,
+        draft_anew: bool = False,
     ) -> None:
         """Add one round's times (`verify` with the commit). A draft step is a draft pass: with a proposer one
         pass may draft several tokens, which `draft_token_seconds` prices apart. `plain_anew`: the plain price is
-        measured afresh (after drafted rounds it may be stale), not averaged into the old one."""
+        measured afresh (after drafted rounds it may be stale), not averaged into the old one; `draft_anew`: so are
+        the draft step, the verify fit and the calibration (after plain rounds they may be)."""
+        if draft_anew:
+            self.draft_step = RunningMean(self.COST_DECAY)
+            self.verify = RunningLinearFit(self.COST_DECAY, self.SLOPE_PRIOR)
+            self.calibration = Calibration(self.COST_DECAY)
         if drafted and accepted and self.draft_step.weight:  # a round this model priced: how it really went
             self.calibration.add(self.price(drafted)[1], draft + verify)
         if width > 1:
