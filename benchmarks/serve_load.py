@@ -5,7 +5,9 @@ long chat requests (code prompts of `--contexts` tokens, each opening with its o
 prefix) all at once, streaming, greedy, through the `openai` client. Reports output tokens/s (all the requests'
 completion tokens over the wall time from the first send to the last answer), time to first token, p50/p99
 inter-token latency (the gaps between streamed chunks that carry text; a VeriCache chunk may carry several accepted
-tokens), and whether every VeriCache answer equals the plain server's (stock `generate`) answer to the same prompt.
+tokens), and whether every answer equals the first server's (plain: stock `generate`) answer to the same prompt.
+`--servers` picks which run: plain and VeriCache, each sequential (transformers' runner, one `generate` at a time) or
+with `--continuous-batching` (transformers' paged batch loop; VeriCache's engine, whose cohorts share passes).
 
     python benchmarks/serve_load.py --out docs/benchmarks/serve-load
     python benchmarks/serve_load.py --requests 8 --contexts 4096,8192 --max-new-tokens 64 \\
@@ -170,7 +172,18 @@ def versions() -> dict:
     }
 
 
-def table(plain: dict, vericache: dict, identical: int, count: int) -> str:
+#: the servers a run can start: (label, VeriCache's, with --continuous-batching)
+SERVERS = {
+    "plain": ("transformers serve", False, False),
+    "vericache": ("vericache-hf serve", True, False),
+    "plain-cb": ("transformers serve --continuous-batching", False, True),
+    "vericache-cb": ("vericache-hf serve --continuous-batching", True, True),
+}
+#: ratios reported, where both servers ran: (numerator, denominator)
+RATIOS = (("vericache", "plain"), ("vericache-cb", "plain-cb"), ("vericache-cb", "plain"))
+
+
+def table(measured: dict[str, dict], identical: dict[str, int], count: int) -> str:
     rows = [
         ("output tokens/s", "tokens_per_s", "{:.2f}"),
         ("wall time (s)", "wall_s", "{:.1f}"),
@@ -180,13 +193,20 @@ def table(plain: dict, vericache: dict, identical: int, count: int) -> str:
         ("inter-token latency, p50 (ms)", "itl_p50_ms", "{:.0f}"),
         ("inter-token latency, p99 (ms)", "itl_p99_ms", "{:.0f}"),
     ]
-    lines = ["| | transformers serve | vericache-hf serve | VeriCache / plain |", "|---|---:|---:|---:|"]
+    names = list(measured)
+    ratios = [(a, b) for a, b in RATIOS if a in measured and b in measured]
+    header = [SERVERS[name][0] for name in names] + [f"{a} / {b}" for a, b in ratios]
+    lines = ["| | " + " | ".join(header) + " |", "|---|" + "---:|" * len(header)]
     for label, key, form in rows:
-        ratio = vericache[key] / plain[key] if plain[key] else float("nan")
-        lines.append(
-            f"| {label} | {form.format(plain[key])} | {form.format(vericache[key])} | {ratio:.2f}x |"
-        )
-    lines.append(f"| greedy answers identical to plain | | {identical}/{count} | |")
+        cells = [form.format(measured[name][key]) for name in names]
+        for a, b in ratios:
+            base = measured[b][key]
+            cells.append(f"{measured[a][key] / base:.2f}x" if base else "n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    same = [f"{identical[name]}/{count}" if name in identical else "" for name in names]
+    lines.append(
+        "| answers identical to plain (stock generate) | " + " | ".join(same + [""] * len(ratios)) + " |"
+    )
     return "\n".join(lines)
 
 
@@ -202,6 +222,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vericache-args", default="--compressor snapkv --compression-ratio 0.75")
+    parser.add_argument(
+        "--servers",
+        default="plain,vericache,vericache-cb",
+        help=f"comma-separated, run in this order, the first being the reference answers: {', '.join(SERVERS)}",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/serve-load"))
     args = parser.parse_args()
     low, high = (int(value) for value in args.contexts.split(","))
@@ -210,19 +235,19 @@ def main() -> None:
     texts = prompts(model, args.requests, low, high, args.seed)
 
     bin_dir = Path(sys.executable).parent
-    commands = {
-        "plain": [str(bin_dir / "transformers"), "serve", model],
-        "vericache": [
-            sys.executable,
-            "-m",
-            "vericache_tools.cli",
-            "serve",
-            model,
-            *shlex.split(args.vericache_args),
-        ],
-    }
+    names = args.servers.split(",")
+    unknown = sorted(set(names) - set(SERVERS))
+    if unknown:
+        parser.error(f"unknown servers {unknown}; known: {', '.join(SERVERS)}")
     measured = {}
-    for name, command in commands.items():
+    for name in names:
+        _, vericache, batching = SERVERS[name]
+        command = (
+            [sys.executable, "-m", "vericache_tools.cli", "serve", model, *shlex.split(args.vericache_args)]
+            if vericache
+            else [str(bin_dir / "transformers"), "serve", model]
+        )
+        command += ["--continuous-batching"] if batching else []
         process, url = start_server(command, args.out / f"{name}-server.log")
         try:
             measured[name] = load(url, texts, args.max_new_tokens)
@@ -230,10 +255,13 @@ def main() -> None:
             stop_server(process)
         print(f"{name}: {measured[name]['tokens_per_s']:.2f} tokens/s", flush=True)
 
-    identical = sum(
-        a == b for a, b in zip(measured["plain"]["texts"], measured["vericache"]["texts"], strict=True)
-    )
-    report = table(measured["plain"], measured["vericache"], identical, len(texts))
+    reference = measured[names[0]]["texts"]
+    identical = {
+        name: sum(a == b for a, b in zip(reference, result["texts"], strict=True))
+        for name, result in measured.items()
+        if name != names[0]
+    }
+    report = table(measured, identical, len(texts))
     command_line = "python benchmarks/serve_load.py " + shlex.join(sys.argv[1:])
     record = {"command": command_line, "versions": versions(), "results": measured, "identical": identical}
     (args.out / "results.json").write_text(json.dumps(record, indent=1))

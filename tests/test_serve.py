@@ -303,10 +303,82 @@ def test_the_server_stops_cleanly(second_server, reference):
         urllib.request.urlopen(f"{second_server.url}/health", timeout=2)
 
 
-@pytest.mark.timeout(120)  # without the refusal the server would start and serve
-def test_continuous_batching_is_refused_with_the_reason(model_dir, capsys):
+@pytest.fixture(scope="module")
+def batching_server(model_dir, tmp_path_factory):
+    """`--continuous-batching`: requests served together by a VeriCacheEngine in the model's process."""
+    log = tmp_path_factory.mktemp("serve") / "batching.log"
+    config = {"draft_schedule": "fixed", "draft_length": 6}
+    options = [
+        "--compressor",
+        "streaming_llm",
+        "--compression-ratio",
+        "0.5",
+        "--vericache-config",
+        json.dumps(config),
+    ]
+    running = Server(model_dir, log, "--continuous-batching", *options)
+    yield running
+    running.stop()
+    for process in running.leftovers():
+        process.kill()
+
+
+SHARED = re.compile(
+    r"VeriCache engine: request \d+ ended; cohorts so far: (\d+) rounds, at most (\d+) rows a round"
+)
+
+
+def test_continuous_batching_serves_requests_together_in_the_engine(batching_server, reference):
+    """Six clients at once, streamed and not, one turning VeriCache off and one setting its own compressor: every
+    answer equals stock generate's, and the engine's cohorts decoded several requests in one pass."""
+    conversations = [long_messages(seed=20 + i, words=40 + 12 * i) for i in range(6)]
+    settings = [{}, {}, {"generation_mode": None}, {"vericache_config": {"compressor": "knorm"}}, {}, {}]
+    answers: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def ask(index: int) -> None:
+        try:
+            answers[index] = batching_server.chat(
+                conversations[index], max_tokens=24, stream=index % 2 == 1, **settings[index]
+            )
+        except BaseException as error:  # noqa: BLE001 - reported below, with the others
+            errors.append(error)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    assert answers == {i: reference(24, messages=conversations[i]) for i in range(6)}
+    ended = SHARED.findall(batching_server.log.read_text())
+    assert len(ended) == 5  # the stock request ran beside the engine, not in it
+    assert max(int(rows) for _, rows in ended) >= 2
+
+
+def test_continuous_batching_cancels_a_request_whose_client_left(batching_server, reference):
+    """The engine ends a request whose client left at its next round, instead of making its 30000 tokens."""
+    messages = long_messages(seed=6)
+    before = len(SHARED.findall(batching_server.log.read_text()))
+    stream = batching_server.client.chat.completions.create(
+        model=batching_server.model, messages=messages, max_tokens=30000, stream=True
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received >= 3:
+            break
+    stream.close()
+    assert batching_server.chat(messages, max_tokens=8) == reference(8, messages=messages)
+    deadline = time.monotonic() + 60
+    while len(SHARED.findall(batching_server.log.read_text())) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(SHARED.findall(batching_server.log.read_text())) == before + 2
+
+
+def test_continuous_batching_refuses_the_paged_cache_options(model_dir, capsys):
     from vericache_tools.cli import main
 
-    assert main(["serve", str(model_dir), "--continuous-batching"]) != 0
+    assert main(["serve", str(model_dir), "--continuous-batching", "--cb-num-blocks", "64"]) != 0
     refusal = " ".join(capsys.readouterr().err.replace("│", " ").split())
-    assert "does not take --continuous-batching" in refusal and "generate_batch" in refusal
+    assert "--cb-num-blocks" in refusal and "VeriCacheEngine" in refusal

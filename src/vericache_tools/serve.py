@@ -142,18 +142,27 @@ def open_prefix_store(location: str):
 
 class VeriCacheModelLoader(ModelLoader):
     """transformers' `ModelLoader`, loaded in the model's process: unpickling it there imports this module, and so
-    `vericache_hf`, which registers `generation_mode`. With a prefix store, the model's `generate` gets the store."""
+    `vericache_hf`, which registers `generation_mode`. With a prefix store, the model's `generate` gets the store;
+    with `engine_config` (the server's VeriCache settings, under `--continuous-batching`), requests are served
+    together by a `VeriCacheEngine` (`serve_engine.py`)."""
 
     prefix_store: str | None
+    engine_config: dict[str, Any] | None
 
     @classmethod
-    def adopt(cls, loader: ModelLoader, prefix_store: str | None) -> VeriCacheModelLoader:
+    def adopt(
+        cls, loader: ModelLoader, prefix_store: str | None, engine_config: dict[str, Any] | None = None
+    ) -> VeriCacheModelLoader:
         adopted = cls.__new__(cls)
         adopted.__dict__.update(vars(loader))
-        adopted.prefix_store = prefix_store
+        adopted.prefix_store, adopted.engine_config = prefix_store, engine_config
         return adopted
 
     def load_model_and_processor(self, model_id: str, on_progress=None):
+        if self.engine_config is not None:
+            from .serve_engine import ENGINE_MAX_CONCURRENT, install_engine_runner
+
+            install_engine_runner(self.engine_config, ENGINE_MAX_CONCURRENT)
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
         if self.prefix_store is not None:
             # Set once, at load, as transformers installs a repository's custom generate: requests then only read it.

@@ -25,13 +25,8 @@ from .serve import (
 
 __all__ = ["VeriCacheServe", "main"]
 
-CONTINUOUS_BATCHING_REFUSED = (
-    "vericache-hf serve does not take --continuous-batching: transformers' continuous batching runs its own paged "
-    "cache and batch loop, never `generate`, and hands each request only max_new_tokens, eos and sampling, so a "
-    "request's VeriCache settings could not reach it. Leave the flag off: every request then runs VeriCache through "
-    "`model.generate`. For offline batches, `model.generate_batch(..., generation_mode='vericache')` runs "
-    "VeriCache's own engine."
-)
+#: `transformers serve` options that size its paged cache, which VeriCache's engine does not use
+PAGED_CACHE_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
 
 
 class VeriCacheServe(Serve):
@@ -40,17 +35,25 @@ class VeriCacheServe(Serve):
     def __init__(
         self, vericache_config: dict[str, Any], prefix_store: str | None, **serve_options: Any
     ) -> None:
-        if serve_options.get("continuous_batching"):
-            raise typer.BadParameter(CONTINUOUS_BATCHING_REFUSED, param_hint="'--continuous-batching'")
-        self.vericache_settings = (vericache_config, prefix_store)
+        paged = [name for name in PAGED_CACHE_OPTIONS if serve_options.get(name) is not None]
+        if serve_options.get("continuous_batching") and paged:
+            flags = ", ".join("--" + name.replace("_", "-") for name in paged)
+            raise typer.BadParameter(
+                f"{flags} size transformers' paged cache; with --continuous-batching, vericache-hf serve runs "
+                "VeriCacheEngine, which holds each request's draft tier on the device and its full tier in host "
+                "memory instead. Drop them."
+            )
+        # under --continuous-batching, the model's process serves requests together in a VeriCacheEngine
+        engine = vericache_config if serve_options.get("continuous_batching") else None
+        self.vericache_settings = (vericache_config, prefix_store, engine)
         super().__init__(**serve_options)  # runs the server
 
     def _adopt_settings(self) -> None:
-        config, prefix_store = self.vericache_settings
+        config, prefix_store, engine = self.vericache_settings
         if not isinstance(self.generation_state, VeriCacheGenerationState):
             self.generation_state = VeriCacheGenerationState.adopt(self.generation_state, config)
         if not isinstance(self.loader, VeriCacheModelLoader):
-            self.loader = VeriCacheModelLoader.adopt(self.loader, prefix_store)
+            self.loader = VeriCacheModelLoader.adopt(self.loader, prefix_store, engine)
 
     def run(self, socket=None, engine_connection=None) -> None:
         self._adopt_settings()
