@@ -10,6 +10,7 @@ transformers' sequential runner, beside the engine.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -113,7 +114,8 @@ class EngineRunner(GenerateRunner):
         with self.lock:
             in_engine = request_id in self.engine_requests
         if in_engine:
-            self.engine.cancel(str(request_id))
+            with contextlib.suppress(KeyError):  # it ended, its result handed out, since the check above
+                self.engine.cancel(str(request_id))
         else:
             super().cancel(request_id)
 
