@@ -24,9 +24,7 @@ from vericache_tools.families import tiny_model as family_model
 from .test_cohorts import serve
 from .test_engine import stock
 
-NEW_TOKENS = (
-    100  # the tiny models' window and chunk are 16 tokens: each row's window moves on several times over
-)
+NEW_TOKENS = 100  # windows and chunks of 16 tokens: each row's window moves on several times over
 FAMILIES = {
     "gemma3_text": torch.float64,
     "gemma2": torch.float64,
