@@ -11,7 +11,8 @@ A chunk needs absolute positions, not only their differences. Where a chunked la
 tokens (a window layer, `cache/window.py`) and a draft pass places that tail after the draft tier's layout, the
 slots before it count other tokens: the pass then sets `WINDOW_DROPPED`, each row's real tokens before the tail, and
 the chunks are counted from there. The variable is per thread (a context variable), so another thread's forward on
-the same model never sees it.
+the same model never sees it. Such a span is built as a mask even when it is shorter than a chunk, where
+transformers would leave attention unmasked: it may still cross a chunk boundary.
 """
 
 from __future__ import annotations
