@@ -194,7 +194,7 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
     check_compressor(model, compressor)
-    recurrent, paired, stateless, windowed = cache_layout(model)
+    recurrent, paired, stateless, windowed, chunked = cache_layout(model)
     cache = VeriCache(
         text_config(model).num_hidden_layers,
         compressor,
@@ -213,6 +213,7 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         paired=paired,
         stateless=stateless,
         windowed=windowed,
+        chunked=chunked,
     )
     return compressor, cache
 

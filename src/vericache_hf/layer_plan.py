@@ -23,6 +23,7 @@ from .pass_model import attention_layers
 #: `config.layer_types` values that are self-attention over a KV cache.
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
 SLIDING_KINDS = {"sliding_attention", "local"}
+CHUNKED_KIND = "chunked_attention"
 #: transformers' layer types whose cache is a linear-attention layer (a recurrent or convolution state, no KV).
 RECURRENT_KINDS = {"linear_attention", "conv"}
 #: Layer types with no attention and no state at all (a feed-forward block alone), and cross-attention to images
@@ -93,27 +94,36 @@ def recurrent_states(model: nn.Module) -> dict[int, int]:
     return {plan.index: plan.states for plan in layer_plan(model, strict=False) if plan.recurrent}
 
 
-def cache_layout(model: nn.Module) -> tuple[dict[int, int], set[int], set[int], dict[int, int]]:
+def cache_layout(model: nn.Module) -> tuple[dict[int, int], set[int], set[int], dict[int, int], bool]:
     """What `VeriCache` builds besides two-tier attention layers, from one plan: the recurrent layers with their
-    number of states, those of them that hold attention K/V too, the layers with nothing to cache, and the
-    sliding-window layers that keep one exact tier on the device, each with its window (`window_layers`)."""
+    number of states, those of them that hold attention K/V too, the layers with nothing to cache, the sliding-window
+    or chunked layers that keep one exact tier on the device, each with its window (`window_layers`), and whether
+    those attend in chunks."""
     plans = layer_plan(model, strict=False)
+    windows = window_layers(plans)
     return (
         {plan.index: plan.states for plan in plans if plan.recurrent},
         {plan.index for plan in plans if plan.kind in PAIRED_KINDS},
         {plan.index for plan in plans if plan.kind in STATELESS_KINDS},
-        window_layers(plans),
+        windows,
+        any(plans[i].kind == CHUNKED_KIND for i in windows),
     )
 
 
 def window_layers(plans: list[LayerPlan]) -> dict[int, int]:
-    """The sliding-window layers served by one exact tier on the device (`cache/window.py`), with their window: those
-    of a model that also has full-attention layers, whose draft tier is where compression saves. Where every
-    attention layer is windowed, the windows keep two tiers, since drafting over a compressed window is the only
-    saving left; and windows of different sizes would need masks of their own, so they keep two tiers too."""
-    windows = {plan.index: plan.window for plan in plans if plan.kind in SLIDING_KINDS and plan.window}
+    """The sliding-window or chunked layers served by one exact tier on the device (`cache/window.py`), with their
+    window or chunk: those of a model that also has full-attention layers, whose draft tier is where compression
+    saves. Where every attention layer is windowed, the windows keep two tiers, since drafting over a compressed
+    window is the only saving left; and windows of different sizes or kinds (sliding and chunked) would need masks
+    of their own, so they keep two tiers too."""
+    windows = {
+        plan.index: plan.window
+        for plan in plans
+        if plan.kind in SLIDING_KINDS | {CHUNKED_KIND} and plan.window
+    }
+    kinds = {plans[i].kind == CHUNKED_KIND for i in windows}
     full = any(plan.attends and plan.window is None and plan.kind not in PAIRED_KINDS for plan in plans)
-    return windows if full and len(set(windows.values())) == 1 else {}
+    return windows if full and len(set(windows.values())) == 1 and len(kinds) == 1 else {}
 
 
 @cache
@@ -147,7 +157,7 @@ def layer_plan(model: nn.Module, strict: bool = True) -> list[LayerPlan]:
     chunk = getattr(config, "attention_chunk_size", None)
     plans = []
     for index, kind in enumerate(kinds):
-        size = chunk if kind == "chunked_attention" else window if kind in SLIDING_KINDS else None
+        size = chunk if kind == CHUNKED_KIND else window if kind in SLIDING_KINDS else None
         plans.append(LayerPlan(index, kind, size, stateful.get(index, 0)))
     if strict:
         check_plan(model, plans)

@@ -130,7 +130,7 @@ def check_shared_state(model, config, cohorts=None, prefixes=None) -> None:
     windows = sorted(window_layers(layer_plan(model, strict=False))) if stored else []
     if windows:
         raise ValueError(
-            f"{type(model).__name__}'s sliding-window layers {windows} keep one exact tier on the device, which "
-            "VeriCache's prefix stores do not carry (they hold the full-attention layers' two tiers). Drop "
+            f"{type(model).__name__}'s sliding-window or chunked layers {windows} keep one exact tier on the device, "
+            "which VeriCache's prefix stores do not carry (they hold the full-attention layers' two tiers). Drop "
             "prefix_store (or the engine's prefix_cache_memory) for this model."
         )

@@ -6,14 +6,26 @@ round, so a row can hold masked slots between its tokens; counted in slots, its 
 than stock's. Where the padding mask has such holes, the mask functions registered for VeriCache's attention
 (`attention.py`) build the window from each slot's position instead, the number of real tokens before it in its row,
 which is what stock's slot index measures. Without holes they build exactly transformers' mask.
+
+A chunk needs absolute positions, not only their differences. Where a chunked layer holds only the tail of each row's
+tokens (a window layer, `cache/window.py`) and a draft pass places that tail after the draft tier's layout, the
+slots before it count other tokens: the pass then sets `WINDOW_DROPPED`, each row's real tokens before the tail, and
+the chunks are counted from there. The variable is per thread (a context variable), so another thread's forward on
+the same model never sees it. Such a span is built as a mask even when it is shorter than a chunk, where
+transformers would leave attention unmasked: it may still cross a chunk boundary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 from transformers.masking_utils import prepare_padding_mask
+
+#: (B,) real tokens each row had before the chunked window layers' span of the running draft pass's mask; None when
+#: that span's slots count them (a verify pass reads the full tier's layout, a prefill starts at the first token).
+WINDOW_DROPPED: ContextVar[torch.Tensor | None] = ContextVar("vericache_window_dropped", default=None)
 
 
 def has_holes(padding: torch.Tensor) -> bool:
@@ -35,22 +47,32 @@ def _positional(positions: torch.Tensor, size: int, chunked: bool) -> Callable:
 
 def window_aware(base: Callable) -> Callable:
     """`base` (a transformers mask function such as `sdpa_mask`), counting a window in positions where a row has
-    holes. Chunks are told from windows by the config that asked (`attention_chunk_size`)."""
+    holes, and a chunk in absolute positions where a draft pass says its span starts late (`WINDOW_DROPPED`).
+    Chunks are told from windows by the config that asked (`attention_chunk_size`)."""
 
     def mask(*args, **kwargs):
         size, padding_2d = kwargs.get("local_size"), kwargs.get("attention_mask")
-        if size is None or padding_2d is None or padding_2d.ndim != 2:
-            return base(*args, **kwargs)
-        kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
-        padding = prepare_padding_mask(padding_2d.bool(), kv_length, kv_offset)
-        if not has_holes(padding):
-            return base(*args, **kwargs)
         config = kwargs.get("config")
         chunked = (
-            getattr(config, "attention_chunk_size", None) == size
+            size is not None
+            and getattr(config, "attention_chunk_size", None) == size
             and getattr(config, "sliding_window", None) != size
         )
+        kv_length, kv_offset = kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
+        if chunked and kv_offset:
+            # a window's span starts past position 0: fewer than a chunk of slots may still cross a chunk boundary,
+            # so transformers' shortcut (no mask below a chunk's length) does not hold
+            kwargs["allow_is_causal_skip"] = False
+        if size is None or padding_2d is None or padding_2d.ndim != 2:
+            return base(*args, **kwargs)
+        padding = prepare_padding_mask(padding_2d.bool(), kv_length, kv_offset)
+        dropped = WINDOW_DROPPED.get() if chunked else None
+        if dropped is None and not has_holes(padding):
+            return base(*args, **kwargs)
         positions = padding.long().cumsum(-1) - 1
+        if dropped is not None:  # the span's first real token is each row's token number `dropped`
+            before = padding[:, :kv_offset].sum(-1)
+            positions = positions + (dropped.to(positions.device) - before)[:, None]
         span = kwargs.get("q_offset", 0) + kwargs["q_length"]
         if positions.shape[-1] < span:  # query slots past the mask's end (transformers pads the same way)
             positions = torch.nn.functional.pad(positions, (0, span - positions.shape[-1]))

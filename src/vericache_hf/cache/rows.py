@@ -8,7 +8,8 @@ tier of a compressor that works from K/V alone is left to be rebuilt from the ne
 (`DraftTierLifecycle.build`, the next time drafting needs it); a query-aware compressor's token-dropped tier is
 carried over through its `export`/`restore`, since it cannot be rebuilt (a deferred one is built first,
 `build_carried_tier`). A window layer (`window.py`) holds the tail of the full tier's layout: its rows move with the
-full tier's, and it reaches back far enough in the new layout for every row's window.
+full tier's, each with the count of real tokens it dropped, and it reaches back far enough in the new layout for
+every row's window.
 Call them between rounds only: no pass in flight, no drafts, no pending tokens.
 """
 
@@ -71,10 +72,16 @@ def keep(cache: VeriCache, rows: list[int]) -> None:
     drop = dead if 2 * dead >= valid.shape[-1] else 0
     for layer in cache.layers:
         if isinstance(layer, WindowLayer):
-            keys, values, held = layer.view()
+            keys, values, held, dropped = layer.view()
             index = torch.tensor(rows, device=keys.device)
             cut = max(0, drop - (cache.full_valid.shape[-1] - layer.length))  # the dropped slots it holds
-            layer.hold(keys[index][:, :, cut:], values[index][:, :, cut:], held[index][:, cut:])
+            held = held[index]
+            layer.hold(
+                keys[index][:, :, cut:],
+                values[index][:, :, cut:],
+                held[:, cut:],
+                dropped[index.to(dropped.device)] + held[:, :cut].sum(-1).to(dropped.device),
+            )
             continue
         layer.full.keep_rows(rows, drop)
         if cache.draft_tier.rebuildable:
@@ -95,10 +102,16 @@ def copy_row(cache: VeriCache, row: int) -> VeriCache:
     for layer in cache.layers:
         if isinstance(layer, WindowLayer):  # its slots from `first` on, up to `end`
             start = cache.full_valid.shape[-1] - layer.length
-            keys, values, window_valid = layer.view()
-            window = slice(max(first - start, 0), end - start)
+            keys, values, window_valid, dropped = layer.view()
+            cut = max(first - start, 0)
+            window_valid = window_valid[index]
             full.append(
-                (keys[index][:, :, window], values[index][:, :, window], window_valid[index][:, window])
+                (
+                    keys[index][:, :, cut : end - start],
+                    values[index][:, :, cut : end - start],
+                    window_valid[:, cut : end - start],
+                    dropped[index.to(dropped.device)] + window_valid[:, :cut].sum(-1).to(dropped.device),
+                )
             )
         else:
             full.append(tuple(kv[index][:, :, first:end] for kv in layer.full.view()))
@@ -116,10 +129,11 @@ def _join_windows(cache: VeriCache, index: int, others: list[VeriCache]) -> None
     tiers: one cache at a time, the stored rows padded behind to the longer layout, the joining rows in front. A
     window is its layout's tail, so only the padding behind it moves it; the stack reaches back as far as the
     farthest-reaching window."""
-    keys, values, valid = cache.layers[index].view()
+    keys, values, valid, dropped = cache.layers[index].view()
     length = cache.full_valid.shape[-1]
     for other in others:
-        other_keys, other_values, other_valid = other.layers[index].view()
+        other_keys, other_values, other_valid, other_dropped = other.layers[index].view()
+        dropped = torch.cat([dropped, other_dropped.to(dropped.device)])
         joined = max(length, other.full_valid.shape[-1])
         size = valid.shape[-1] + joined - length
         span = max(size, other_valid.shape[-1])
@@ -131,7 +145,7 @@ def _join_windows(cache: VeriCache, index: int, others: list[VeriCache]) -> None
             [_pad(_pad(valid, size, 1, False, left=False), span, 1, False), _pad(other_valid, span, 1, False)]
         )
         length = joined
-    cache.layers[index].hold(keys, values, valid)
+    cache.layers[index].hold(keys, values, valid, dropped)
 
 
 def _check_between_rounds(cache: VeriCache) -> None:
@@ -190,7 +204,8 @@ def _rebuilt(
     drafts: list[DraftStore] | None,
 ) -> VeriCache:
     """A cache with `template`'s settings, stats and transfer queue, holding the given full tier (each layer's
-    (B, H, T, D) keys and values, `valid` (B, T); a window layer's keys, values and validity of its own) and draft
+    (B, H, T, D) keys and values, `valid` (B, T); a window layer's keys, values, validity and dropped tokens of its
+    own) and draft
     tier (None: rebuilt when drafting next needs it)."""
     cache = VeriCache(
         len(template.layers),
@@ -203,6 +218,7 @@ def _rebuilt(
         refresh_policy=template.draft_tier.refresh_policy,
         stage_on_cpu=template.stage_on_cpu,
         windowed={layer.layer_idx: layer.window for layer in template.windowed},
+        chunked=template.chunked,
     )
     for i, (layer, old) in enumerate(zip(cache.layers, template.layers, strict=True)):
         if isinstance(layer, WindowLayer):

@@ -22,9 +22,9 @@ The cache owns one of each of its helpers, and drives them from its phases:
 - `stream` (`FullTierStream`, `streaming.py`): the full tier's transfers to the device for each verify pass;
 - `prefix_load` (`PrefixLoad`, `prefix_load.py`): a stored prefix reaching the full tier outside a prefill;
 - `draft_tier` (`DraftTierLifecycle`, `draft_lifecycle.py`): when the draft tier is built, freed and refreshed.
-Its layers (`layers.py`) ask it for the phase, and those helpers for what a phase reads. A sliding-window layer of a
-model that has full-attention layers too is a `WindowLayer` (`window.py`): one exact tier on the device, which
-draft and verify passes both read; a hybrid model's recurrent layers keep one state (`recurrent.py`).
+Its layers (`layers.py`) ask it for the phase, and those helpers for what a phase reads. A sliding-window or chunked
+layer of a model that has full-attention layers too is a `WindowLayer` (`window.py`): one exact tier on the device,
+which draft and verify passes both read; a hybrid model's recurrent layers keep one state (`recurrent.py`).
 
 Every length this cache reports is *physical* (slots held), which is what transformers' mask code works in. Rows may
 hold masked slots (left padding, or tokens another row accepted that this row did not), so the loop always passes
@@ -45,6 +45,7 @@ from ..checks import check_int
 from ..stats import VeriCacheStats
 from ..timeline import Timeline
 from ..verify_attention import VERIFY_KWARG, VerifyPass, resolve_kernel
+from ..window_mask import WINDOW_DROPPED
 from .capture import QueryCapture
 from .compressor import Compressor
 from .draft_lifecycle import DraftTierLifecycle
@@ -55,7 +56,7 @@ from .recurrent import RecurrentLayer
 from .refresh import RefreshPolicy
 from .streaming import FullTierStream
 from .transfer import TransferEngine
-from .window import WindowLayer, first_needed
+from .window import WindowLayer
 
 
 class VeriCache(Cache):
@@ -66,9 +67,10 @@ class VeriCache(Cache):
     tokens of a longer layer (None: whole layers, however long); `verify_attention` is the verify pass's kernel
     (`verify_attention.KERNELS`); `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
     full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
-    place. Pass a shared `transfers` engine to serve several caches through one queue (its own buffer count,
-    timeout and link then apply); `link_bytes_per_s` emulates a slower link for a private one (benchmarks only),
-    and its copies are recorded in `timeline` when one is given.
+    place. `windowed` maps the layers that keep one exact tier (`window.py`) to their window, in chunks of it where
+    `chunked` (Llama 4's chunked attention). Pass a shared `transfers` engine to serve several caches through one
+    queue (its own buffer count, timeout and link then apply); `link_bytes_per_s` emulates a slower link for a
+    private one (benchmarks only), and its copies are recorded in `timeline` when one is given.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class VeriCache(Cache):
         paired: set[int] | None = None,
         stateless: set[int] | None = None,
         windowed: dict[int, int] | None = None,
+        chunked: bool = False,
     ) -> None:
         if staging_chunk_tokens is not None:
             check_int("staging_chunk_tokens", staging_chunk_tokens)
@@ -120,7 +123,7 @@ class VeriCache(Cache):
         )
         super().__init__(
             layers=[
-                WindowLayer(i, windowed[i], self)
+                WindowLayer(i, windowed[i], self, chunked)
                 if i in windowed
                 else PairedLayer(i, self, recurrent[i])
                 if i in paired
@@ -140,8 +143,10 @@ class VeriCache(Cache):
         self.recurrent: list[RecurrentLayer] = [
             layer for layer in self.layers if isinstance(layer, RecurrentLayer)
         ]
-        #: the sliding-window layers of a model that has full-attention layers too: one exact tier, on the device
+        #: the sliding-window or chunked layers of a model that has full-attention layers too: one exact tier, on the
+        #: device
         self.windowed: list[WindowLayer] = [layer for layer in self.layers if isinstance(layer, WindowLayer)]
+        self.chunked = chunked and bool(self.windowed)
         self.stream = FullTierStream(
             self.tiered,
             self.stats,
@@ -296,6 +301,8 @@ class VeriCache(Cache):
         self._draft_dense = bool(self.tiered[0].draft.valid.all())
         for layer in self.recurrent:
             layer.save_state()
+        # a draft pass places the chunked windows after the draft tier's layout: their masks count chunks from here
+        dropped = WINDOW_DROPPED.set(self.windowed[0].dropped if self.chunked else None)
         try:
             with self._phase("drafting", "idle"):
                 yield
@@ -303,6 +310,7 @@ class VeriCache(Cache):
             self.stream.end_round()
             raise
         finally:
+            WINDOW_DROPPED.reset(dropped)
             self._draft_valid = None
             for layer in self.tiered:
                 layer.draft.rollback_draft()
@@ -390,7 +398,7 @@ class VeriCache(Cache):
         for layer in self.windowed:
             layer.commit(count, valid)
         if self.windowed:  # every window layer holds the same slots: where to cut is found once
-            first = first_needed(self.windowed[0].valid, self.windowed[0].window)
+            first = self.windowed[0].first_needed()
             for layer in self.windowed:
                 layer.trim(first=first)
         for layer in self.recurrent:
@@ -409,7 +417,8 @@ class VeriCache(Cache):
             draft = self.tiered[0].draft
             marks = self._draft_marks(draft.num_drafted)
             window = self.windowed[0].valid if self.windowed else None
-            if self._draft_dense and (window is None or bool(window.all())):
+            # a chunked window's mask counts positions from its mask (`window_mask.py`): it always gets one
+            if self._draft_dense and (window is None or (not self.chunked and bool(window.all()))):
                 return None
             committed = torch.cat([draft.valid, marks], dim=-1)
             if window is not None:

@@ -1,10 +1,10 @@
-"""A sliding-window layer's one exact tier: the last tokens of its window, on the model's device.
+"""A sliding-window or chunked layer's one exact tier, on the model's device: the tokens its next queries reach.
 
-A sliding layer attends to at most its window, so its KV is bounded however long the context grows; stock keeps
-just that. VeriCache does the same for a model whose other layers are full attention: the window's exact K/V stay
-on the device and serve the draft passes and the verify passes alike. Drafting over them is exact, so compression,
-the offloaded full tier and its transfers are spent only on the full-attention layers, whose KV grows with the
-context.
+A sliding layer attends to at most its window, and a chunked layer (Llama 4) to the tokens of its query's chunk, so
+what it needs is bounded however long the context grows; stock keeps just that for a sliding layer. VeriCache does
+the same for a model whose other layers are full attention: the window's exact K/V stay on the device and serve the
+draft passes and the verify passes alike. Drafting over them is exact, so compression, the offloaded full tier and
+its transfers are spent only on the full-attention layers, whose KV grows with the context.
 
 Slots: the layer holds the last `length` committed slots of the full tier's layout (left padding and the slots
 rows rejected included, masked by the same validity), then a pass's drafted or verified tokens. A verify pass
@@ -14,8 +14,14 @@ the pass's 2-D mask (`VeriCache.attention_mask`), so each kind of layer sizes it
 `get_mask_sizes` and `query_offset`, as transformers' own sliding layers do. The window's span is counted in
 positions, not slots (`window_mask.py`), so the holes that ragged acceptance leaves are not counted against it.
 
-After each commit the layer forgets the slots before every row's last `window` real tokens, in steps of at least
-`TRIM_STEP` slots, so that trimming copies rarely.
+A chunk needs absolute positions (a query at p sees the keys at q <= p with q // C == p // C), which the window's
+own slots no longer give once its first tokens are gone: the layer counts, per row, the real tokens it has dropped
+(`dropped`), and a draft pass hands them to its chunked masks (`window_mask.WINDOW_DROPPED`). A verify pass reads
+the full tier's layout, whose slots before the window count them already. Either way a chunked window's pass always
+builds its mask: fewer slots than a chunk may still cross a chunk boundary.
+
+After each commit the layer forgets the slots before every row's last `window` real tokens (a chunked layer: before
+the chunk of the row's next position), in steps of at least `TRIM_STEP` slots, so that trimming copies rarely.
 """
 
 from __future__ import annotations
@@ -35,11 +41,17 @@ def held_slots(tokens: int, block: int) -> int:
     return tokens + 3 * TRIM_STEP + block
 
 
-def first_needed(valid: torch.Tensor, window: int) -> int:
+def first_needed(valid: torch.Tensor, window: int, dropped: torch.Tensor | None = None) -> int:
     """The first of (B, n) `valid`'s slots that some row's last `window` real tokens reach (n if none does); one
-    device sync, since every window layer of a cache holds the same slots and the cache asks once per commit."""
+    device sync, since every window layer of a cache holds the same slots and the cache asks once per commit. With
+    `dropped` (B,), the real tokens each row had before these slots, `window` is a chunk: a row needs only its
+    tokens from the start of its next position's chunk, since no later query reaches further back."""
     later = valid.flip(-1).long().cumsum(-1).flip(-1)  # real tokens at or after each slot, per row
-    needed = (valid & (later <= window)).any(dim=0)
+    if dropped is None:
+        keep: int | torch.Tensor = window
+    else:  # the row's tokens so far, past the last chunk boundary
+        keep = ((dropped.to(valid.device) + valid.sum(-1)) % window)[:, None]
+    needed = (valid & (later <= keep)).any(dim=0)
     first = torch.where(
         needed.any(), torch.argmax(needed.int()), needed.new_tensor(valid.shape[-1], dtype=torch.long)
     )
@@ -47,14 +59,18 @@ def first_needed(valid: torch.Tensor, window: int) -> int:
 
 
 class WindowLayer(PhasedLayer):
-    """One sliding-window layer's exact K/V, on the device, read by draft and verify passes alike."""
+    """One sliding-window or chunked (`chunked`, chunks of `window` tokens) layer's exact K/V, on the device, read
+    by draft and verify passes alike."""
 
     is_sliding = True
 
-    def __init__(self, layer_idx: int, window: int, owner) -> None:
+    def __init__(self, layer_idx: int, window: int, owner, chunked: bool = False) -> None:
         super().__init__(layer_idx, owner)
         self.window = window
+        self.chunked = chunked
         self.store: TokenStore | None = None
+        #: (B,) real tokens each row had before the held slots (its absolute position of the first held token)
+        self.dropped: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -67,7 +83,9 @@ class WindowLayer(PhasedLayer):
         return self.store.valid
 
     def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.store = TokenStore(keys, values, self.owner.prompt_valid.to(keys.device), headroom=0)
+        valid = self.owner.prompt_valid.to(keys.device)
+        self.store = TokenStore(keys, values, valid, headroom=0)
+        self.dropped = valid.new_zeros(valid.shape[0], dtype=torch.long)
         self.trim(at_least=1)  # the prompt's K/V are the pass's; the layer keeps its window of them
         return keys, values
 
@@ -96,33 +114,43 @@ class WindowLayer(PhasedLayer):
         )
         self.pending = None
 
+    def first_needed(self) -> int:
+        """The first held slot that some row's next queries can reach (`first_needed`)."""
+        return first_needed(self.valid, self.window, self.dropped if self.chunked else None)
+
     def trim(self, at_least: int = TRIM_STEP, first: int | None = None) -> None:
         """Keep the slots from `first` on (by default the first that some row's window reaches, `first_needed`) in a
-        buffer of their own with room for `TRIM_STEP` more and a round's tokens, once `at_least` slots can go: the
-        buffer stays bounded by the window, however long the context."""
+        buffer of their own with room for a window, `TRIM_STEP` more and a round's tokens, once `at_least` slots can
+        go: the buffer stays bounded by the window, however long the context. (A chunked layer keeps what its row
+        wrote since the chunk began, which varies; the room for a whole chunk keeps its buffer's size fixed.)"""
         store = self.store
         valid = store.valid
-        first = first_needed(valid, self.window) if first is None else first
+        first = self.first_needed() if first is None else first
         if first < at_least:
             return
+        self.dropped = self.dropped + valid[:, :first].sum(-1).to(self.dropped.device)
         end = store.num_committed
         self.store = TokenStore(
             store.keys[:, :, first:end],
             store.values[:, :, first:end],
             valid[:, first:],
-            headroom=2 * TRIM_STEP,
+            headroom=2 * TRIM_STEP + max(0, self.window - (end - first)),
         )
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The committed keys, values and validity, (B, H, n, D) and (B, n)."""
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The committed keys, values and validity, (B, H, n, D) and (B, n), and each row's dropped tokens (B,)."""
         store, end = self.store, self.store.num_committed
-        return store.keys[:, :, :end], store.values[:, :, :end], store.valid
+        return store.keys[:, :, :end], store.values[:, :, :end], store.valid, self.dropped
 
-    def hold(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
-        """Hold these committed slots (rows that joined, left or moved: `cache/rows.py`), then trim."""
+    def hold(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, dropped: torch.Tensor
+    ) -> None:
+        """Hold these committed slots, after each row's `dropped` (B,) real tokens (rows that joined, left or moved:
+        `cache/rows.py`), then trim."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         self.store = TokenStore(keys, values, valid.to(keys.device), headroom=2 * TRIM_STEP)
+        self.dropped = dropped.to(keys.device, torch.long)
         self.trim()
 
     def get_seq_length(self) -> int:

@@ -85,8 +85,8 @@ def footprint(
     Stock holds every token in a full-attention layer, at most its window in a sliding or chunked one, a
     recurrent layer's state, and nothing for a layer without attention. VeriCache holds the draft tier of every
     two-tier attention layer, the staging buffers (for the widest of those layers), the window of each window layer
-    (`cache/window.py`: sliding layers of a model with full-attention layers too, with a trim's slack), and each
-    recurrent layer's state with the copies its roll-back keeps during a round."""
+    (`cache/window.py`: sliding or chunked layers of a model with full-attention layers too, with a trim's slack),
+    and each recurrent layer's state with the copies its roll-back keeps during a round."""
     if on_device is None:
         on_device = model.device.type != "cpu" or config.stage_on_cpu
     compressor = build_compressor(

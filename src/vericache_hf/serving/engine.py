@@ -148,8 +148,9 @@ class VeriCacheEngine:
         # prompts' exact K/V kept for the requests after (prefix caching): a shared prefix is not prefilled again
         if prefix_cache_memory and window_layers(layer_plan(model, strict=False)):
             warnings.warn(
-                f"{type(model).__name__}'s sliding-window layers keep one exact tier and no full tier to share a "
-                "prefix from: the engine prefills every prompt whole (pass prefix_cache_memory=None to say so).",
+                f"{type(model).__name__}'s sliding-window or chunked layers keep one exact tier and no full tier to "
+                "share a prefix from: the engine prefills every prompt whole (pass prefix_cache_memory=None to say "
+                "so).",
                 stacklevel=2,
             )
             prefix_cache_memory = None
