@@ -9,9 +9,8 @@ tokens), and whether every answer equals the first server's (plain: stock `gener
 `--servers` picks which run: plain and VeriCache, each sequential (transformers' runner, one `generate` at a time) or
 with `--continuous-batching` (transformers' paged batch loop; VeriCache's engine, whose cohorts share passes).
 
-    python benchmarks/serve_load.py --out docs/benchmarks/serve-load
-    python benchmarks/serve_load.py --requests 8 --contexts 4096,8192 --max-new-tokens 64 \\
-        --vericache-args "--compressor snapkv --compression-ratio 0.75"
+    python benchmarks/serve_load.py --requests 8 --contexts 4096,8192 --max-new-tokens 256 \\
+        --servers plain,vericache,vericache-cb --out docs/benchmarks/serve-load-8x4k-8k-256-tokens
 """
 
 from __future__ import annotations
