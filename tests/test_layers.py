@@ -45,6 +45,7 @@ def test_the_cache_is_the_ground_floor():
         "_threads",
         "attention",
         "verify_attention",
+        "window_mask",
     }
     for path in (LIBRARY / "cache").rglob("*.py"):
         assert {layer_of(m) for m in relative_imports(path)} <= leaves, path.name

@@ -15,7 +15,7 @@ the pass's 2-D mask (`VeriCache.attention_mask`), so each kind of layer sizes it
 positions, not slots (`window_mask.py`), so the holes that ragged acceptance leaves are not counted against it.
 
 A chunk needs absolute positions (a query at p sees the keys at q <= p with q // C == p // C), which the window's
-own slots no longer give once its first tokens are gone: the layer counts, per row, the real tokens it has dropped
+own slots do not give once its first tokens are gone: the layer counts, per row, the real tokens it has dropped
 (`dropped`), and a draft pass hands them to its chunked masks (`window_mask.WINDOW_DROPPED`). A verify pass reads
 the full tier's layout, whose slots before the window count them already. Either way a chunked window's pass always
 builds its mask: fewer slots than a chunk may still cross a chunk boundary.
