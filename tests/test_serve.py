@@ -204,23 +204,34 @@ def test_a_request_overrides_or_turns_off_vericache(server, reference):
     assert len(server.reused_tokens()) == before + 1  # stock generate: no VeriCache request ran
 
 
-def test_eight_concurrent_clients(server, reference):
-    conversations = [long_messages(seed=10 + i, words=40 + 10 * i) for i in range(8)]
+def ask_at_once(
+    server: Server, conversations: list, max_tokens: int, settings: list[dict] | None = None
+) -> dict:
+    """Every conversation sent at once from a thread of its own, odd ones streamed; the answers by index."""
+    settings = settings or [{}] * len(conversations)
     answers: dict[int, str] = {}
     errors: list[BaseException] = []
 
     def ask(index: int) -> None:
         try:
-            answers[index] = server.chat(conversations[index], max_tokens=16, stream=index % 2 == 1)
+            answers[index] = server.chat(
+                conversations[index], max_tokens=max_tokens, stream=index % 2 == 1, **settings[index]
+            )
         except BaseException as error:  # noqa: BLE001 - reported below, with the others
             errors.append(error)
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(300)
     assert not errors, errors
+    return answers
+
+
+def test_eight_concurrent_clients(server, reference):
+    conversations = [long_messages(seed=10 + i, words=40 + 10 * i) for i in range(8)]
+    answers = ask_at_once(server, conversations, 16)
     assert answers == {i: reference(16, messages=conversations[i]) for i in range(8)}
 
 
@@ -244,9 +255,8 @@ def test_a_bad_setting_is_a_422_and_the_server_goes_on(server, reference, settin
     assert server.chat(messages, max_tokens=4) == reference(4, messages=messages)
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_request(server, reference):
-    messages = long_messages(seed=3)
-    # Far more tokens than the server could make in the client timeout below: only a freed request lets the next in
+def leave_mid_stream(server: Server, messages: list[dict]) -> None:
+    """Ask for far more tokens than the server could make in a test's time, and leave after three chunks."""
     stream = server.client.chat.completions.create(
         model=server.model, messages=messages, max_tokens=30000, stream=True
     )
@@ -256,6 +266,12 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server, reference):
         if received >= 3:
             break
     stream.close()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server, reference):
+    messages = long_messages(seed=3)
+    # one generate at a time: only a freed request lets the next one in within the client timeout below
+    leave_mid_stream(server, messages)
     quick = server.client.with_options(timeout=60)
     response = quick.chat.completions.create(model=server.model, messages=messages, max_tokens=8)
     assert response.choices[0].message.content == reference(8, messages=messages)
@@ -333,23 +349,7 @@ def test_continuous_batching_serves_requests_together_in_the_engine(batching_ser
     answer equals stock generate's, and the engine's cohorts decoded several requests in one pass."""
     conversations = [long_messages(seed=20 + i, words=40 + 12 * i) for i in range(6)]
     settings = [{}, {}, {"generation_mode": None}, {"vericache_config": {"compressor": "knorm"}}, {}, {}]
-    answers: dict[int, str] = {}
-    errors: list[BaseException] = []
-
-    def ask(index: int) -> None:
-        try:
-            answers[index] = batching_server.chat(
-                conversations[index], max_tokens=24, stream=index % 2 == 1, **settings[index]
-            )
-        except BaseException as error:  # noqa: BLE001 - reported below, with the others
-            errors.append(error)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    assert not errors, errors
+    answers = ask_at_once(batching_server, conversations, 24, settings)
     assert answers == {i: reference(24, messages=conversations[i]) for i in range(6)}
     ended = SHARED.findall(batching_server.log.read_text())
     assert len(ended) == 5  # the stock request ran beside the engine, not in it
@@ -360,15 +360,7 @@ def test_continuous_batching_cancels_a_request_whose_client_left(batching_server
     """The engine ends a request whose client left at its next round, instead of making its 30000 tokens."""
     messages = long_messages(seed=6)
     before = len(SHARED.findall(batching_server.log.read_text()))
-    stream = batching_server.client.chat.completions.create(
-        model=batching_server.model, messages=messages, max_tokens=30000, stream=True
-    )
-    received = 0
-    for chunk in stream:
-        received += bool(chunk.choices and chunk.choices[0].delta.content)
-        if received >= 3:
-            break
-    stream.close()
+    leave_mid_stream(batching_server, messages)
     assert batching_server.chat(messages, max_tokens=8) == reference(8, messages=messages)
     deadline = time.monotonic() + 60
     while len(SHARED.findall(batching_server.log.read_text())) < before + 2 and time.monotonic() < deadline:
