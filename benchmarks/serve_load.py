@@ -204,9 +204,8 @@ def table(measured: dict[str, dict], identical: dict[str, int], count: int) -> s
             cells.append(f"{measured[a][key] / base:.2f}x" if base else "n/a")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     same = [f"{identical[name]}/{count}" if name in identical else "" for name in names]
-    lines.append(
-        "| answers identical to plain (stock generate) | " + " | ".join(same + [""] * len(ratios)) + " |"
-    )
+    reference = "plain (stock generate)" if names[0] == "plain" else SERVERS[names[0]][0]
+    lines.append(f"| answers identical to {reference} | " + " | ".join(same + [""] * len(ratios)) + " |")
     return "\n".join(lines)
 
 
