@@ -72,16 +72,9 @@ def keep(cache: VeriCache, rows: list[int]) -> None:
     drop = dead if 2 * dead >= valid.shape[-1] else 0
     for layer in cache.layers:
         if isinstance(layer, WindowLayer):
-            keys, values, held, dropped = layer.view()
-            index = torch.tensor(rows, device=keys.device)
+            index = torch.tensor(rows, device=layer.store.keys.device)
             cut = max(0, drop - (cache.full_valid.shape[-1] - layer.length))  # the dropped slots it holds
-            held = held[index]
-            layer.hold(
-                keys[index][:, :, cut:],
-                values[index][:, :, cut:],
-                held[:, cut:],
-                dropped[index.to(dropped.device)] + held[:, :cut].sum(-1).to(dropped.device),
-            )
+            layer.hold(*layer.rows(index, cut))
             continue
         layer.full.keep_rows(rows, drop)
         if cache.draft_tier.rebuildable:
@@ -102,17 +95,7 @@ def copy_row(cache: VeriCache, row: int) -> VeriCache:
     for layer in cache.layers:
         if isinstance(layer, WindowLayer):  # its slots from `first` on, up to `end`
             start = cache.full_valid.shape[-1] - layer.length
-            keys, values, window_valid, dropped = layer.view()
-            cut = max(first - start, 0)
-            window_valid = window_valid[index]
-            full.append(
-                (
-                    keys[index][:, :, cut : end - start],
-                    values[index][:, :, cut : end - start],
-                    window_valid[:, cut : end - start],
-                    dropped[index.to(dropped.device)] + window_valid[:, :cut].sum(-1).to(dropped.device),
-                )
-            )
+            full.append(layer.rows(index, max(first - start, 0), end - start))
         else:
             full.append(tuple(kv[index][:, :, first:end] for kv in layer.full.view()))
     drafts = None

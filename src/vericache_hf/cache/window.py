@@ -142,6 +142,16 @@ class WindowLayer(PhasedLayer):
         store, end = self.store, self.store.num_committed
         return store.keys[:, :, :end], store.values[:, :, :end], store.valid, self.dropped
 
+    def rows(
+        self, index: torch.Tensor, start: int = 0, end: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`view()` of the rows `index` and the committed slots `start:end`, each row's dropped tokens counting the
+        real ones before `start` too (what `hold` takes)."""
+        keys, values, valid, dropped = self.view()
+        valid = valid[index]
+        before = dropped[index.to(dropped.device)] + valid[:, :start].sum(-1).to(dropped.device)
+        return keys[index][:, :, start:end], values[index][:, :, start:end], valid[:, start:end], before
+
     def hold(
         self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, dropped: torch.Tensor
     ) -> None:
