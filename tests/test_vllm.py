@@ -69,18 +69,28 @@ def test_a_request_failing_in_the_proposer_gets_no_drafts(runs):
     assert runs["vericache"][4:6] == runs["plain"][4:6]
 
 
-def test_sampling_keeps_the_distribution(runs):
-    """The second token after the prompt is the first a draft decides: how often it equals its most common value
-    must agree with vLLM's own sampling (a two-proportion z-test, |z| < 4, so a correct proposer fails it about
-    once in 16,000 runs; one that accepted every greedy draft would not pass)."""
-    plain, drafted = runs["plain_sampled"], runs["vericache_sampled"]
+def _z(plain: list[list[int]], drafted: list[list[int]]) -> float:
+    """A two-proportion z statistic: how often the second token equals its most common value, in each run."""
     seconds = [pair[1] for pair in plain + drafted]
     common = max(set(seconds), key=seconds.count)
     p1 = sum(pair[1] == common for pair in plain) / len(plain)
     p2 = sum(pair[1] == common for pair in drafted) / len(drafted)
     pooled = (p1 + p2) / 2
-    spread = math.sqrt(max(pooled * (1 - pooled), 1e-9) * 2 / len(plain))
-    assert abs(p1 - p2) / spread < 4, (p1, p2)
+    return abs(p1 - p2) / math.sqrt(max(pooled * (1 - pooled), 1e-9) * 2 / len(plain))
+
+
+def test_sampling_keeps_the_distribution(runs):
+    """The second token after the prompt is the first a draft decides: how often it equals its most common value
+    must agree with vLLM's own sampling (|z| < 4, so a correct proposer fails about once in 16,000 runs; one that
+    accepted every greedy draft would not pass). It is checked only where vLLM's rejection sampling keeps the
+    distribution for drafts that come from no model at all (the control); vLLM 0.32's CPU build does not."""
+    control = _z(runs["plain_sampled"], runs["control_sampled"])
+    if control >= 4:
+        pytest.skip(
+            f"vLLM's own rejection sampling does not keep the distribution here: drafts from no model move the "
+            f"second token's distribution (z = {control:.1f}), so no proposer's sampled output can match it"
+        )
+    assert _z(runs["plain_sampled"], runs["vericache_sampled"]) < 4
 
 
 def test_package_imports_without_vllm():
@@ -161,3 +171,39 @@ def test_book_stops_a_row_whose_drafts_do_not_pay():
         tokens = tokens + [(drafts[0] + 1) % 96 if drafts else 0]
     assert drafted[0] > 0 and drafted[-1] == 0, drafted
     assert book.rounds >= book.pacing.probe_rounds and book.kept == 0
+
+
+def test_rows_drafted_together_continue_as_stock_generate():
+    """Rows of different lengths, fed different numbers of new tokens and drafting different lengths, drafted in
+    one batch on draft tiers that keep every token (ratio 0): each row's drafts are stock greedy `generate`'s next
+    tokens for that row alone. With SnapKV at 0.5, the batch drafts what each row drafts alone."""
+    import torch
+
+    from vericache_hf.compressors import build_compressor
+    from vericache_hf.vllm.draft import DraftState, draft_rows
+
+    model = tiny_model()
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (40, 23, 57)]
+    fed = [[5], [7, 8, 9], [11, 12]]
+    lengths = [4, 2, 5]
+    rows = [prompt + new for prompt, new in zip(prompts, fed, strict=True)]
+    keep_all = build_compressor("snapkv", 0.0, window_size=4)
+    states = [DraftState.build(model, keep_all, prompt) for prompt in prompts]
+    drafts = draft_rows(states, rows, lengths)
+    for row, length, got in zip(rows, lengths, drafts, strict=True):
+        stock = model.generate(torch.tensor([row]), max_new_tokens=length, do_sample=False)
+        assert got == stock[0, len(row) :].tolist()
+    # the fed tokens were committed: a second round on top drafts as stock does on the longer rows
+    longer = [row + got[:1] for row, got in zip(rows, drafts, strict=True)]
+    again = draft_rows(states, longer, [3, 3, 3])
+    for row, got in zip(longer, again, strict=True):
+        stock = model.generate(torch.tensor([row]), max_new_tokens=3, do_sample=False)
+        assert got == stock[0, len(row) :].tolist()
+
+    snapkv = build_compressor("snapkv", 0.5, window_size=4)
+    together = draft_rows([DraftState.build(model, snapkv, p) for p in prompts], rows, lengths)
+    alone = [
+        DraftState.build(model, snapkv, p).draft(r, n) for p, r, n in zip(prompts, rows, lengths, strict=True)
+    ]
+    assert together == alone

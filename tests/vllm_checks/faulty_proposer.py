@@ -3,7 +3,7 @@ step, for tests/test_vllm.py (it runs inside vLLM's engine process, so it is imp
 
 `VERICACHE_TEST_FAULTS` names a JSON file: `{"settings": {...}, "build": [[ids...]], "draft": [[ids...]],
 "stats": "<path>"}`. A request whose tokens start with a `build` prefix fails when its draft tier is built; one
-with a `draft` prefix fails at its second drafting round.
+with a `draft` prefix fails at its second drafting round, and so does any batched round it is part of.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ class FaultyProposer(VeriCacheProposer):
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        build, self.built = self.book.build, 0
+        book = self.book
+        build, draft_rows, self.built = book.build, book.draft_rows, 0
+        rounds: dict[int, int] = {}  # drafting rounds done by each state of a `draft` request
 
         def faulty_build(tokens, row):
             if _starts(tokens, FAULTS["build"]):
@@ -34,18 +36,19 @@ class FaultyProposer(VeriCacheProposer):
             state = build(tokens, row)
             self.built += 1
             if _starts(tokens, FAULTS["draft"]):
-                draft, rounds = state.draft, []
-
-                def faulty_draft(row_tokens, length):
-                    rounds.append(length)
-                    if len(rounds) == 2:
-                        raise RuntimeError("injected draft fault")
-                    return draft(row_tokens, length)
-
-                state.draft = faulty_draft
+                rounds[id(state)] = 0
             return state
 
-        self.book.build = faulty_build
+        def faulty_draft_rows(states, rows, lengths):
+            if any(rounds.get(id(state)) == 1 for state in states):
+                raise RuntimeError("injected draft fault")
+            drafts = draft_rows(states, rows, lengths)
+            for state in states:
+                if id(state) in rounds:
+                    rounds[id(state)] += 1
+            return drafts
+
+        book.build, book.draft_rows = faulty_build, faulty_draft_rows
 
     def propose(self, *args, **kwargs):
         drafts = super().propose(*args, **kwargs)

@@ -4,7 +4,9 @@ Run in the vLLM venv by tests/test_vllm.py: `python -m tests.vllm_checks.parity 
 Requests: prompts of mixed lengths (one too short to draft), each with its own output length so that they finish
 at different steps and vLLM condenses its batch between them; two more fail inside the proposer, one while its
 draft tier is built and one at its second round. A sampled run draws two tokens after one prompt under many seeds,
-both ways: the second is the first that a draft can decide, so its distribution is what drafting must keep.
+both ways: the second is the first that a draft can decide, so its distribution is what drafting must keep. A
+control run draws them under a proposer whose drafts come from no model (`fixed_drafts.py`): whether vLLM's own
+rejection sampling keeps the distribution at all.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def main(out_path: str) -> None:
     sample_prompt = reqs[0][0][:600]
     samples = int(os.environ.get("VERICACHE_TEST_SAMPLES", 64))
     results["plain_sampled"] = sampled_pairs(plain, sample_prompt, samples)
+    results["plain_greedy_after"] = {
+        str(first): run(plain, [(sample_prompt + [first], 4)], greedy)[0]
+        for first in {pair[0] for pair in results["plain_sampled"]}
+    }
     plain.llm_engine.engine_core.shutdown()
     del plain
 
@@ -102,6 +108,21 @@ def main(out_path: str) -> None:
     results["vericache"] = run(drafting, reqs, greedy)
     results["stats"] = json.loads(Path(faults["stats"]).read_text())
     results["vericache_sampled"] = sampled_pairs(drafting, sample_prompt, len(results["plain_sampled"]))
+    drafting.llm_engine.engine_core.shutdown()
+    del drafting
+
+    # the control: drafts from no model at all (plain greedy's next tokens after the most common first token)
+    first = max(
+        set(pair[0] for pair in results["plain_sampled"]), key=[p[0] for p in results["plain_sampled"]].count
+    )
+    os.environ["VERICACHE_TEST_FIXED_DRAFTS"] = json.dumps(results["plain_greedy_after"][str(first)])
+    spec = {
+        "method": "custom_class",
+        "model": "tests.vllm_checks.fixed_drafts.FixedDrafts",
+        "num_speculative_tokens": 4,
+    }
+    control = LLM(str(MODEL), speculative_config=spec, **common)
+    results["control_sampled"] = sampled_pairs(control, sample_prompt, len(results["plain_sampled"]))
     Path(out_path).write_text(json.dumps(results))
 
 

@@ -13,7 +13,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DummyLayer
+from transformers.cache_utils import CacheLayerMixin
+
+try:
+    from transformers.cache_utils import DummyLayer
+except (
+    ImportError
+):  # transformers before 5.20 has no layer type with nothing to cache, nor a model that needs one
+    DummyLayer = CacheLayerMixin
 
 from .compressor import CompressionContext
 from .draft_tier import DraftStore

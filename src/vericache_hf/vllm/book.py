@@ -7,8 +7,9 @@ extends any more (its request finished, or the engine moved it) is never reused;
 new one. Losing track therefore costs a rebuild, never a draft on another request's K/V.
 
 Pacing (pays or stops): each row drafts a length that doubles while its drafts are all kept and halves when most
-are rejected. A row whose kept drafts earn fewer tokens per second of drafting than the batch's plain steps give
-stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each time it fails.
+are rejected. The rows that draft in a step draft together, in one batched pass per token, and each is charged
+its share of those passes. A row whose kept drafts earn fewer tokens per second of drafting than the batch's plain
+steps give stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each time it fails.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .draft import DraftState
+from .draft import DraftState, draft_rows
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +82,17 @@ class DraftBook:
     """Draft states for the rows of a serving engine's batch.
 
     `build(tokens, row)` makes a state for row `row`'s tokens (all but its newest, which the first round feeds). `propose`
-    is called once per engine step with every row's tokens and returns each row's drafts (maybe none).
+    is called once per engine step with every row's tokens and returns each row's drafts (maybe none). States built
+    by one `build` share its drafting model, so a step's drafting rows run as one batch.
     """
 
     def __init__(self, build: Callable[[list[int], int], DraftState], pacing: Pacing | None = None) -> None:
         self.build = build
+        self.draft_rows = draft_rows
         self.pacing = pacing or Pacing()
         self.entries: dict[tuple[int, ...], list[Entry]] = {}
         self.step = 0
-        self.draft_step_seconds = 0.0  # running mean of one draft pass (a round's feed pass included)
+        self.draft_step_seconds = 0.0  # running mean of a row's share of one batched draft pass
         self.engine_step_seconds = (
             0.0  # running mean of the engine's step (its verify pass), drafting excluded
         )
@@ -99,48 +102,66 @@ class DraftBook:
         self.rounds = self.drafted = self.kept = 0
 
     def propose(self, rows: Sequence[Sequence[int] | None]) -> list[list[int]]:
-        """Each row's drafts; a row given as None (still in prefill, or at its length limit) gets none."""
+        """Each row's drafts; a row given as None (still in prefill, or at its length limit) gets none. The rows
+        that draft this step draft together, one batched pass per drafted token (`draft_rows`)."""
         started = time.perf_counter()
         if self.last_return is not None:
             self.engine_step_seconds = _mean(self.engine_step_seconds, started - self.last_return, 0.2)
         self.step += 1
         claimed: set[int] = set()
         active = sum(tokens is not None for tokens in rows)
-        drafts = [
-            [] if tokens is None else self._propose_row(row, list(tokens), active, claimed)
-            for row, tokens in enumerate(rows)
-        ]
+        chosen = []
+        for row, tokens in enumerate(rows):
+            entry = None if tokens is None else self._ready(row, list(tokens), active, claimed)
+            if entry is not None:
+                chosen.append((row, entry, list(tokens)))
+        drafts: list[list[int]] = [[] for _ in rows]
+        for (row, _, _), row_drafts in zip(chosen, self._draft(chosen), strict=True):
+            drafts[row] = row_drafts
         self._drop_idle()
         self.last_return = time.perf_counter()
         return drafts
 
-    def _propose_row(self, row: int, tokens: list[int], rows: int, claimed: set[int]) -> list[int]:
+    def _ready(self, row: int, tokens: list[int], rows: int, claimed: set[int]) -> Entry | None:
+        """The row's entry, its last round recorded, if the row drafts this step."""
         if len(tokens) < max(self.pacing.min_context, KEY_TOKENS + 1):
-            return []
+            return None
         entry = self._find(tokens, claimed)
         if entry is None:
             entry = self._new_entry(row, tokens)
             if entry is None:
-                return []
+                return None
         claimed.add(id(entry))
         entry.last_step = self.step
         if entry.state.pending:
             self._record(entry, entry.state.accepted(tokens), rows)
             entry.state.pending = []
-        if self.step < entry.resume_step:
+        return None if self.step < entry.resume_step else entry
+
+    def _draft(self, chosen: list[tuple[int, Entry, list[int]]]) -> list[list[int]]:
+        """The chosen rows' drafts, from one batched round. A round that fails is drafted again row by row, so
+        that the row that fails is found and gets no drafts from then on, and the others draft as usual."""
+        if not chosen:
             return []
+        entries = [entry for _, entry, _ in chosen]
+        lengths = [entry.length for entry in entries]
         try:
             started = time.perf_counter()
-            drafts = entry.state.draft(tokens, entry.length)
-            per_pass = (time.perf_counter() - started) / max(1, entry.length)
-            self.draft_step_seconds = _mean(self.draft_step_seconds, per_pass, 0.2)
+            drafts = self.draft_rows([entry.state for entry in entries], [t for _, _, t in chosen], lengths)
+            per_row_pass = (time.perf_counter() - started) / (max(lengths) * len(chosen))
+            self.draft_step_seconds = _mean(self.draft_step_seconds, per_row_pass, 0.2)
         except Exception:
+            if len(chosen) > 1:
+                logger.warning(
+                    "a batched draft round failed; its rows draft one by one to find the failing one"
+                )
+                return [self._draft([item])[0] for item in chosen]
             logger.exception("drafting failed for a row; it gets no drafts from here on")
-            self._forget(entry)
+            self._forget(entries[0])
             self.failed_rows += 1
-            self.failed = [*self.failed[-(FAILED_KEPT - 1) :], list(entry.state.tokens)]
-            return []
-        self.drafted += len(drafts)
+            self.failed = [*self.failed[-(FAILED_KEPT - 1) :], list(entries[0].state.tokens)]
+            return [[]]
+        self.drafted += sum(map(len, drafts))
         return drafts
 
     def _new_entry(self, row: int, tokens: list[int]) -> Entry | None:
