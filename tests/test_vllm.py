@@ -207,3 +207,34 @@ def test_rows_drafted_together_continue_as_stock_generate():
         DraftState.build(model, snapkv, p).draft(r, n) for p, r, n in zip(prompts, rows, lengths, strict=True)
     ]
     assert together == alone
+
+
+def test_a_row_failing_in_a_batched_round_fails_alone():
+    """One row's drafting raises inside a batched round: the others get the drafts they get alone, it gets none
+    from then on."""
+    import torch
+
+    from vericache_hf.compressors import build_compressor
+    from vericache_hf.vllm import DraftBook, DraftState, Pacing
+    from vericache_hf.vllm.draft import draft_rows
+
+    model, compressor = tiny_model(), build_compressor("snapkv", 0.5, window_size=4)
+    generator = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randint(0, 96, (40,), generator=generator).tolist() for _ in range(3))
+    book = DraftBook(
+        lambda tokens, row: DraftState.build(model, compressor, tokens),
+        Pacing(max_length=3, first_length=3, min_length=3, min_context=20),
+    )
+
+    def failing_on_b(states, rows, lengths):
+        if any(state.tokens[:40] == b for state in states):
+            raise RuntimeError("injected")
+        return draft_rows(states, rows, lengths)
+
+    book.draft_rows = failing_on_b
+    rows = [a + [1], b + [2], c + [3]]
+    drafts = book.propose(rows)
+    alone = [DraftState.build(model, compressor, p).draft(r, 3) for p, r in ((a, rows[0]), (c, rows[2]))]
+    assert drafts == [alone[0], [], alone[1]]
+    assert book.failed_rows == 1
+    assert book.propose([rows[1] + [drafts[0][0]]]) == [[]]

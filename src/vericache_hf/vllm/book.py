@@ -9,7 +9,8 @@ new one. Losing track therefore costs a rebuild, never a draft on another reques
 Pacing (pays or stops): each row drafts a length that doubles while its drafts are all kept and halves when most
 are rejected. The rows that draft in a step draft together, in one batched pass per token, and each is charged
 its share of those passes. A row whose kept drafts earn fewer tokens per second of drafting than the batch's plain
-steps give stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each time it fails.
+steps give stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each
+time it fails.
 """
 
 from __future__ import annotations
