@@ -155,22 +155,63 @@ def test_book_follows_rows_by_their_tokens():
     assert len(built) == 4 and built[-1][30] == 0
 
 
-def test_book_stops_a_row_whose_drafts_do_not_pay():
-    """A row whose drafts are all rejected stops drafting after its probe rounds and costs no pass then."""
+class FakeClock:
+    """The book's clock, moved by the test: an engine step and a draft pass take the times the test gives."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def paced_book(draft_pass: float):
+    """A book on the tiny model whose draft passes take `draft_pass` on its clock."""
     from vericache_hf.compressors import build_compressor
     from vericache_hf.vllm import DraftBook, DraftState, Pacing
+    from vericache_hf.vllm.draft import draft_rows
 
     model, compressor = tiny_model(), build_compressor("streaming_llm", 0.5)
     book = DraftBook(lambda tokens, row: DraftState.build(model, compressor, tokens), Pacing(min_context=20))
+    book.clock = clock = FakeClock()
+
+    def timed(states, rows, lengths):
+        clock.now += draft_pass * max(lengths)
+        return draft_rows(states, rows, lengths)
+
+    book.draft_rows = timed
+    return book, clock
+
+
+def test_book_stops_a_row_whose_drafts_do_not_pay():
+    """A row whose drafts are all rejected stops drafting after its probe rounds and costs no pass then."""
+    book, clock = paced_book(draft_pass=0.01)
     tokens = list(range(1, 41))
     drafted = []
     for _ in range(12):
         drafts = book.propose([tokens])[0]
+        clock.now += 0.1  # the engine's step
         drafted.append(len(drafts))
         # the engine rejects every draft: the next token is never the first draft
         tokens = tokens + [(drafts[0] + 1) % 96 if drafts else 0]
     assert drafted[0] > 0 and drafted[-1] == 0, drafted
     assert book.rounds >= book.pacing.probe_rounds and book.kept == 0
+
+
+def test_book_stops_at_once_where_a_draft_pass_costs_an_engine_step():
+    """Every draft is kept, but a draft pass costs more than the engine's step: no draft length can pay, so the
+    row stops after its first round, without the probe rounds; with passes a tenth of a step it goes on."""
+    for draft_pass, stops in ((0.2, True), (0.01, False)):
+        book, clock = paced_book(draft_pass)
+        tokens = list(range(1, 41))
+        drafted = []
+        for _ in range(4):
+            drafts = book.propose([tokens])[0]
+            clock.now += 0.1
+            drafted.append(len(drafts))
+            tokens = tokens + drafts + [1]  # the engine keeps every draft, and adds its own token
+        assert (drafted[1:] == [0, 0, 0]) is stops, drafted
+        assert drafted[0] > 0
 
 
 def test_rows_drafted_together_continue_as_stock_generate():

@@ -10,7 +10,8 @@ Pacing (pays or stops): each row drafts a length that doubles while its drafts a
 are rejected. The rows that draft in a step draft together, in one batched pass per token, and each is charged
 its share of those passes. A row whose kept drafts earn fewer tokens per second of drafting than the batch's plain
 steps give stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each
-time it fails.
+time it fails. Where a row's share of a draft pass costs as much as its share of an engine step, no draft can pay,
+and the row stops after its first round.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class DraftBook:
     def __init__(self, build: Callable[[list[int], int], DraftState], pacing: Pacing | None = None) -> None:
         self.build = build
         self.draft_rows = draft_rows
+        self.clock = time.perf_counter
         self.pacing = pacing or Pacing()
         self.entries: dict[tuple[int, ...], list[Entry]] = {}
         self.step = 0
@@ -105,7 +107,7 @@ class DraftBook:
     def propose(self, rows: Sequence[Sequence[int] | None]) -> list[list[int]]:
         """Each row's drafts; a row given as None (still in prefill, or at its length limit) gets none. The rows
         that draft this step draft together, one batched pass per drafted token (`draft_rows`)."""
-        started = time.perf_counter()
+        started = self.clock()
         if self.last_return is not None:
             self.engine_step_seconds = _mean(self.engine_step_seconds, started - self.last_return, 0.2)
         self.step += 1
@@ -120,7 +122,7 @@ class DraftBook:
         for (row, _, _), row_drafts in zip(chosen, self._draft(chosen), strict=True):
             drafts[row] = row_drafts
         self._drop_idle()
-        self.last_return = time.perf_counter()
+        self.last_return = self.clock()
         return drafts
 
     def _ready(self, row: int, tokens: list[int], rows: int, claimed: set[int]) -> Entry | None:
@@ -147,9 +149,9 @@ class DraftBook:
         entries = [entry for _, entry, _ in chosen]
         lengths = [entry.length for entry in entries]
         try:
-            started = time.perf_counter()
+            started = self.clock()
             drafts = self.draft_rows([entry.state for entry in entries], [t for _, _, t in chosen], lengths)
-            per_row_pass = (time.perf_counter() - started) / (max(lengths) * len(chosen))
+            per_row_pass = (self.clock() - started) / (max(lengths) * len(chosen))
             self.draft_step_seconds = _mean(self.draft_step_seconds, per_row_pass, 0.2)
         except Exception:
             if len(chosen) > 1:
@@ -201,10 +203,19 @@ class DraftBook:
             entry.length = min(pacing.max_length, 2 * length)
         elif kept < length / 2:
             entry.length = max(pacing.min_length, length // 2)
-        if entry.rounds >= pacing.probe_rounds and not self._pays(entry, rows):
+        if self._hopeless(rows) or (entry.rounds >= pacing.probe_rounds and not self._pays(entry, rows)):
             entry.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * entry.backoff))
             entry.resume_step = self.step + entry.backoff
             entry.rounds, entry.length = 0, pacing.first_length
+
+    def _hopeless(self, rows: int) -> bool:
+        """Whether no draft can pay, however many are kept: a row's share of a draft pass costs at least its share
+        of an engine step. A round of L drafts gives at most L + 1 tokens for L passes and a step that costs at
+        least a plain one, so it never beats L + 1 plain steps. Known after one round, so it stops a row without
+        the probe rounds that `_pays` waits for."""
+        if self.engine_step_seconds <= 0 or self.draft_step_seconds <= 0:
+            return False
+        return self.draft_step_seconds * rows >= self.engine_step_seconds
 
     def _pays(self, entry: Entry, rows: int) -> bool:
         """Whether the row's kept drafts per second of drafting beat the batch's plain tokens per second."""
