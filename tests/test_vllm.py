@@ -56,7 +56,7 @@ def test_greedy_output_is_vllms_own(runs):
 def test_drafts_are_accepted_and_states_follow_their_requests(runs):
     stats = runs["stats"]
     assert stats["kept"] > 0, stats
-    # four requests build a draft tier (three draft to the end, one fails at its second round), each once: every
+    # four requests build a draft tier (three draft, one fails at its first drafting round), each once: every
     # state followed its request across the batch's reorders
     assert stats["built"] == 4, stats
     # vLLM's own K/V built every draft tier: the copy computed only SnapKV's 32-token windows
@@ -64,7 +64,7 @@ def test_drafts_are_accepted_and_states_follow_their_requests(runs):
 
 
 def test_a_request_failing_in_the_proposer_gets_no_drafts(runs):
-    """One request fails as its draft tier is built, one at its second round: both finish as without drafts."""
+    """One request fails as its draft tier is built, one at its first drafting round: both finish as without drafts."""
     assert runs["stats"]["failed_rows"] == 2
     assert runs["vericache"][4:6] == runs["plain"][4:6]
 
@@ -139,7 +139,9 @@ def test_book_follows_rows_by_their_tokens():
         name: DraftState.build(model, compressor, prompt)
         for name, prompt in zip("abc", (a, b, c), strict=True)
     }
-    book = DraftBook(build, Pacing(max_length=3, first_length=3, min_length=3, min_context=20))
+    book = DraftBook(
+        build, Pacing(max_length=3, first_length=3, min_length=3, min_context=20, measure_plain=False)
+    )
     steps = [
         [("a", a + [1]), ("b", b + [2])],
         [("b", b + [2, 5, 6]), ("a", a + [1, 7])],  # the engine swapped the rows; each request gained tokens
@@ -194,24 +196,25 @@ def test_book_stops_a_row_whose_drafts_do_not_pay():
         drafted.append(len(drafts))
         # the engine rejects every draft: the next token is never the first draft
         tokens = tokens + [(drafts[0] + 1) % 96 if drafts else 0]
-    assert drafted[0] > 0 and drafted[-1] == 0, drafted
+    assert drafted[0] == 0 and drafted[1] > 0 and drafted[-1] == 0, drafted  # a plain step, then drafts
     assert book.rounds >= book.pacing.probe_rounds and book.kept == 0
 
 
 def test_book_stops_at_once_where_a_draft_pass_costs_an_engine_step():
-    """Every draft is kept, but a draft pass costs more than the engine's step: no draft length can pay, so the
-    row stops after its first round, without the probe rounds; with passes a tenth of a step it goes on."""
+    """Every draft is kept, but a draft pass costs more than a plain engine step (timed by the first step, which
+    drafts nothing): no draft length can pay, so the row stops after its first round, without the probe rounds;
+    with passes a tenth of a step it goes on."""
     for draft_pass, stops in ((0.2, True), (0.01, False)):
         book, clock = paced_book(draft_pass)
         tokens = list(range(1, 41))
         drafted = []
-        for _ in range(4):
+        for _ in range(5):
             drafts = book.propose([tokens])[0]
             clock.now += 0.1
             drafted.append(len(drafts))
             tokens = tokens + drafts + [1]  # the engine keeps every draft, and adds its own token
-        assert (drafted[1:] == [0, 0, 0]) is stops, drafted
-        assert drafted[0] > 0
+        assert drafted[0] == 0 and drafted[1] > 0, drafted
+        assert (drafted[2:] == [0, 0, 0]) is stops, drafted
 
 
 def test_rows_drafted_together_continue_as_stock_generate():
@@ -264,7 +267,7 @@ def test_a_row_failing_in_a_batched_round_fails_alone():
     a, b, c = (torch.randint(0, 96, (40,), generator=generator).tolist() for _ in range(3))
     book = DraftBook(
         lambda tokens, row: DraftState.build(model, compressor, tokens),
-        Pacing(max_length=3, first_length=3, min_length=3, min_context=20),
+        Pacing(max_length=3, first_length=3, min_length=3, min_context=20, measure_plain=False),
     )
 
     def failing_on_b(states, rows, lengths):

@@ -3,7 +3,7 @@ step, for tests/test_vllm.py (it runs inside vLLM's engine process, so it is imp
 
 `VERICACHE_TEST_FAULTS` names a JSON file: `{"settings": {...}, "build": [[ids...]], "draft": [[ids...]],
 "stats": "<path>"}`. A request whose tokens start with a `build` prefix fails when its draft tier is built; one
-with a `draft` prefix fails at its second drafting round, and so does any batched round it is part of.
+with a `draft` prefix fails at its first drafting round, and so does any batched round it is part of.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class FaultyProposer(VeriCacheProposer):
         super().load_model(*args, **kwargs)
         book = self.book
         build, draft_rows, self.built = book.build, book.draft_rows, 0
-        rounds: dict[int, int] = {}  # drafting rounds done by each state of a `draft` request
+        faulty: set[int] = set()  # the states of `draft` requests
 
         def faulty_build(tokens, row):
             if _starts(tokens, FAULTS["build"]):
@@ -36,17 +36,13 @@ class FaultyProposer(VeriCacheProposer):
             state = build(tokens, row)
             self.built += 1
             if _starts(tokens, FAULTS["draft"]):
-                rounds[id(state)] = 0
+                faulty.add(id(state))
             return state
 
         def faulty_draft_rows(states, rows, lengths):
-            if any(rounds.get(id(state)) == 1 for state in states):
+            if any(id(state) in faulty for state in states):
                 raise RuntimeError("injected draft fault")
-            drafts = draft_rows(states, rows, lengths)
-            for state in states:
-                if id(state) in rounds:
-                    rounds[id(state)] += 1
-            return drafts
+            return draft_rows(states, rows, lengths)
 
         book.build, book.draft_rows = faulty_build, faulty_draft_rows
 

@@ -3,7 +3,7 @@ Run in the vLLM venv by tests/test_vllm.py: `python -m tests.vllm_checks.parity 
 
 Requests: prompts of mixed lengths (one too short to draft), each with its own output length so that they finish
 at different steps and vLLM condenses its batch between them; two more fail inside the proposer, one while its
-draft tier is built and one at its second round. A sampled run draws two tokens after one prompt under many seeds,
+draft tier is built and one at its first drafting round. A sampled run draws two tokens after one prompt under many seeds,
 both ways: the second is the first that a draft can decide, so its distribution is what drafting must keep. A
 control run draws them under a proposer whose drafts come from no model (`fixed_drafts.py`): whether vLLM's own
 rejection sampling keeps the distribution at all.
@@ -36,7 +36,7 @@ def requests(tokenizer) -> list[tuple[list[int], int]]:
         (code[2000:3400] + "\nclass ", 56),
         ("def add(a, b):", 12),  # under the proposer's minimum context: never drafts
         (code[500:2500], 32),  # fails when its draft tier is built
-        (code[1000:3000], 32),  # fails at its second drafting round
+        (code[1000:3000], 32),  # fails at its first drafting round
     ]
     return [(tokenizer(text).input_ids, length) for text, length in texts]
 

@@ -6,12 +6,12 @@ when the row's tokens extend the state's: the match is checked token for token, 
 extends any more (its request finished, or the engine moved it) is never reused; a row that finds none builds a
 new one. Losing track therefore costs a rebuild, never a draft on another request's K/V.
 
-Pacing (pays or stops): each row drafts a length that doubles while its drafts are all kept and halves when most
-are rejected. The rows that draft in a step draft together, in one batched pass per token, and each is charged
-its share of those passes. A row whose kept drafts earn fewer tokens per second of drafting than the batch's plain
-steps give stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each
-time it fails. Where a row's share of a draft pass costs as much as its share of an engine step, no draft can pay,
-and the row stops after its first round.
+Pacing (pays or stops): the engine's first decode step runs without drafts, to time a plain step. Each row drafts a
+length that doubles while its drafts are all kept and halves when most are rejected. The rows that draft in a step
+draft together, in one batched pass per token, and each is charged its share of those passes. A row whose rounds
+give fewer tokens per second than plain steps stops drafting, at the cost of one lookup a step, and probes again
+after a backoff that doubles each time it fails. Where a row's share of a draft pass costs as much as its share of a
+plain step, no draft length can pay, and the row stops after its first round.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class Pacing:
         probe_rounds: rounds a row drafts before pacing may stop it.
         backoff_steps: steps a stopped row waits before it probes again (doubling per failed probe, up to 64x).
         idle_steps: a state no row used for this many steps is dropped.
+        measure_plain: before any draft, one engine step runs without drafts, to time the plain step that drafting
+            must beat (rows stop drafting that cannot beat it).
     """
 
     max_length: int = 8
@@ -50,6 +52,7 @@ class Pacing:
     probe_rounds: int = 3
     backoff_steps: int = 32
     idle_steps: int = 8
+    measure_plain: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,10 +99,12 @@ class DraftBook:
         self.entries: dict[tuple[int, ...], list[Entry]] = {}
         self.step = 0
         self.draft_step_seconds = 0.0  # running mean of a row's share of one batched draft pass
-        self.engine_step_seconds = (
-            0.0  # running mean of the engine's step (its verify pass), drafting excluded
-        )
+        # running means of a row's share of the engine's step (drafting excluded): after a step that drafted (its
+        # verify pass), and after one that did not (a plain step, which is what drafting must beat)
+        self.engine_step_seconds = 0.0
+        self.plain_step_seconds = 0.0
         self.last_return: float | None = None
+        self.last_drafted, self.last_active = False, 0
         self.failed_rows = 0
         self.failed: list[list[int]] = []  # token prefixes of rows that failed: they get no drafts
         self.rounds = self.drafted = self.kept = 0
@@ -108,24 +113,31 @@ class DraftBook:
         """Each row's drafts; a row given as None (still in prefill, or at its length limit) gets none. The rows
         that draft this step draft together, one batched pass per drafted token (`draft_rows`)."""
         started = self.clock()
-        if self.last_return is not None:
-            self.engine_step_seconds = _mean(self.engine_step_seconds, started - self.last_return, 0.2)
+        active = sum(tokens is not None for tokens in rows)
+        if self.last_return is not None and self.last_active:
+            share = (started - self.last_return) / self.last_active
+            if self.last_drafted:
+                self.engine_step_seconds = _mean(self.engine_step_seconds, share, 0.2)
+            else:
+                self.plain_step_seconds = _mean(self.plain_step_seconds, share, 0.2)
         self.step += 1
         claimed: set[int] = set()
-        active = sum(tokens is not None for tokens in rows)
         chosen = []
         for row, tokens in enumerate(rows):
-            entry = None if tokens is None else self._ready(row, list(tokens), active, claimed)
+            entry = None if tokens is None else self._ready(row, list(tokens), claimed)
             if entry is not None:
                 chosen.append((row, entry, list(tokens)))
+        if not self.plain_step_seconds and self.pacing.measure_plain:
+            chosen = []  # one plain step first, costing nothing against the engine alone: what drafting must beat
         drafts: list[list[int]] = [[] for _ in rows]
         for (row, _, _), row_drafts in zip(chosen, self._draft(chosen), strict=True):
             drafts[row] = row_drafts
         self._drop_idle()
+        self.last_drafted, self.last_active = any(drafts), active
         self.last_return = self.clock()
         return drafts
 
-    def _ready(self, row: int, tokens: list[int], rows: int, claimed: set[int]) -> Entry | None:
+    def _ready(self, row: int, tokens: list[int], claimed: set[int]) -> Entry | None:
         """The row's entry, its last round recorded, if the row drafts this step."""
         if len(tokens) < max(self.pacing.min_context, KEY_TOKENS + 1):
             return None
@@ -137,7 +149,7 @@ class DraftBook:
         claimed.add(id(entry))
         entry.last_step = self.step
         if entry.state.pending:
-            self._record(entry, entry.state.accepted(tokens), rows)
+            self._record(entry, entry.state.accepted(tokens))
             entry.state.pending = []
         return None if self.step < entry.resume_step else entry
 
@@ -192,7 +204,7 @@ class DraftBook:
                 best = entry
         return best
 
-    def _record(self, entry: Entry, kept: int, rows: int) -> None:
+    def _record(self, entry: Entry, kept: int) -> None:
         """A finished round: adapt the row's length, and stop it when its drafts do not pay."""
         pacing, length = self.pacing, entry.length
         self.rounds += 1
@@ -203,26 +215,29 @@ class DraftBook:
             entry.length = min(pacing.max_length, 2 * length)
         elif kept < length / 2:
             entry.length = max(pacing.min_length, length // 2)
-        if self._hopeless(rows) or (entry.rounds >= pacing.probe_rounds and not self._pays(entry, rows)):
+        if self._hopeless() or (entry.rounds >= pacing.probe_rounds and not self._pays(entry)):
             entry.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * entry.backoff))
             entry.resume_step = self.step + entry.backoff
             entry.rounds, entry.length = 0, pacing.first_length
 
-    def _hopeless(self, rows: int) -> bool:
+    def _hopeless(self) -> bool:
         """Whether no draft can pay, however many are kept: a row's share of a draft pass costs at least its share
-        of an engine step. A round of L drafts gives at most L + 1 tokens for L passes and a step that costs at
+        of a plain engine step. A round of L drafts gives at most L + 1 tokens for L passes and a step that costs at
         least a plain one, so it never beats L + 1 plain steps. Known after one round, so it stops a row without
         the probe rounds that `_pays` waits for."""
-        if self.engine_step_seconds <= 0 or self.draft_step_seconds <= 0:
+        if not self.plain_step_seconds or not self.draft_step_seconds:
             return False
-        return self.draft_step_seconds * rows >= self.engine_step_seconds
+        return self.draft_step_seconds >= self.plain_step_seconds
 
-    def _pays(self, entry: Entry, rows: int) -> bool:
-        """Whether the row's kept drafts per second of drafting beat the batch's plain tokens per second."""
-        if self.engine_step_seconds <= 0 or self.draft_step_seconds <= 0:
+    def _pays(self, entry: Entry) -> bool:
+        """Whether the row's rounds give more tokens per second than plain steps: a round gives its kept drafts
+        plus the engine's own token, for the row's share of its draft passes and of the engine step that verifies
+        them."""
+        if not self.plain_step_seconds or not self.draft_step_seconds:
             return True
-        drafting = entry.length * self.draft_step_seconds
-        return entry.kept_mean / drafting >= rows / self.engine_step_seconds
+        verify = self.engine_step_seconds or self.plain_step_seconds
+        round_seconds = entry.length * self.draft_step_seconds + verify
+        return (entry.kept_mean + 1) / round_seconds >= 1 / self.plain_step_seconds
 
     def _forget(self, entry: Entry) -> None:
         for key, entries in list(self.entries.items()):
