@@ -41,8 +41,8 @@ class Pacing:
         probe_rounds: rounds a row drafts before pacing may stop it.
         backoff_steps: steps a stopped row waits before it probes again (doubling per failed probe, up to 64x).
         idle_steps: a state no row used for this many steps is dropped.
-        measure_plain: before any draft, one engine step runs without drafts, to time the plain step that drafting
-            must beat (rows stop drafting that cannot beat it).
+        measure_plain: before any draft, engine steps run without drafts until one plain step is timed: what
+            drafting must beat (rows stop drafting that cannot beat it).
     """
 
     max_length: int = 8
@@ -104,7 +104,8 @@ class DraftBook:
         self.engine_step_seconds = 0.0
         self.plain_step_seconds = 0.0
         self.last_return: float | None = None
-        self.last_drafted, self.last_active = False, 0
+        self.last_drafted = False
+        self.last_lengths: dict[int, int] = {}  # each active row's token count at the last call
         self.failed_rows = 0
         self.failed: list[list[int]] = []  # token prefixes of rows that failed: they get no drafts
         self.rounds = self.drafted = self.kept = 0
@@ -113,13 +114,8 @@ class DraftBook:
         """Each row's drafts; a row given as None (still in prefill, or at its length limit) gets none. The rows
         that draft this step draft together, one batched pass per drafted token (`draft_rows`)."""
         started = self.clock()
-        active = sum(tokens is not None for tokens in rows)
-        if self.last_return is not None and self.last_active:
-            share = (started - self.last_return) / self.last_active
-            if self.last_drafted:
-                self.engine_step_seconds = _mean(self.engine_step_seconds, share, 0.2)
-            else:
-                self.plain_step_seconds = _mean(self.plain_step_seconds, share, 0.2)
+        lengths = {row: len(tokens) for row, tokens in enumerate(rows) if tokens is not None}
+        self._time_step(started, lengths)
         self.step += 1
         claimed: set[int] = set()
         chosen = []
@@ -128,14 +124,27 @@ class DraftBook:
             if entry is not None:
                 chosen.append((row, entry, list(tokens)))
         if not self.plain_step_seconds and self.pacing.measure_plain:
-            chosen = []  # one plain step first, costing nothing against the engine alone: what drafting must beat
+            chosen = []  # plain steps until one is timed, costing nothing against the engine alone
         drafts: list[list[int]] = [[] for _ in rows]
         for (row, _, _), row_drafts in zip(chosen, self._draft(chosen), strict=True):
             drafts[row] = row_drafts
         self._drop_idle()
-        self.last_drafted, self.last_active = any(drafts), active
+        self.last_drafted, self.last_lengths = any(drafts), lengths
         self.last_return = self.clock()
         return drafts
+
+    def _time_step(self, now: float, lengths: dict[int, int]) -> None:
+        """Time the engine step since the last call, per row, where it was one step of the same rows: after a call
+        that drafted, each row grew; after one that did not, each grew by exactly one token (a plain step). Any
+        other gap (a new batch, rows reordered, the time between two `generate` calls) is not a step."""
+        last = self.last_lengths
+        if self.last_return is None or not lengths or any(row not in last for row in lengths):
+            return
+        share = (now - self.last_return) / len(lengths)
+        if self.last_drafted and all(n > last[row] for row, n in lengths.items()):
+            self.engine_step_seconds = _mean(self.engine_step_seconds, share, 0.2)
+        elif not self.last_drafted and all(n == last[row] + 1 for row, n in lengths.items()):
+            self.plain_step_seconds = _mean(self.plain_step_seconds, share, 0.2)
 
     def _ready(self, row: int, tokens: list[int], claimed: set[int]) -> Entry | None:
         """The row's entry, its last round recorded, if the row drafts this step."""
