@@ -41,8 +41,8 @@ class Pacing:
         probe_rounds: rounds a row drafts before pacing may stop it.
         backoff_steps: steps a stopped row waits before it probes again (doubling per failed probe, up to 64x).
         idle_steps: a state no row used for this many steps is dropped.
-        measure_plain: before any draft, engine steps run without drafts until one plain step is timed: what
-            drafting must beat (rows stop drafting that cannot beat it).
+        measure_plain: before any draft, engine steps run without drafts until one plain step of as many rows is
+            timed: what drafting must beat (rows stop drafting that cannot beat it).
     """
 
     max_length: int = 8
@@ -98,11 +98,13 @@ class DraftBook:
         self.pacing = pacing or Pacing()
         self.entries: dict[tuple[int, ...], list[Entry]] = {}
         self.step = 0
-        self.draft_step_seconds = 0.0  # running mean of a row's share of one batched draft pass
-        # running means of a row's share of the engine's step (drafting excluded): after a step that drafted (its
-        # verify pass), and after one that did not (a plain step, which is what drafting must beat)
-        self.engine_step_seconds = 0.0
-        self.plain_step_seconds = 0.0
+        # running means, per number of active rows (a row's share of a step depends on the batch): a row's share of
+        # one batched draft pass, and of the engine's step (drafting excluded) after a step that drafted (its verify
+        # pass) and after one that did not (a plain step, which is what drafting must beat)
+        self.draft_steps: dict[int, float] = {}
+        self.engine_steps: dict[int, float] = {}
+        self.plain_steps: dict[int, float] = {}
+        self.active = 0
         self.last_return: float | None = None
         self.last_drafted = False
         self.last_lengths: dict[int, int] = {}  # each active row's token count at the last call
@@ -116,6 +118,7 @@ class DraftBook:
         started = self.clock()
         lengths = {row: len(tokens) for row, tokens in enumerate(rows) if tokens is not None}
         self._time_step(started, lengths)
+        self.active = len(lengths)
         self.step += 1
         claimed: set[int] = set()
         chosen = []
@@ -142,9 +145,9 @@ class DraftBook:
             return
         share = (now - self.last_return) / len(lengths)
         if self.last_drafted and all(n > last[row] for row, n in lengths.items()):
-            self.engine_step_seconds = _mean(self.engine_step_seconds, share, 0.2)
+            self.engine_steps[len(lengths)] = _mean(self.engine_steps.get(len(lengths), 0.0), share, 0.2)
         elif not self.last_drafted and all(n == last[row] + 1 for row, n in lengths.items()):
-            self.plain_step_seconds = _mean(self.plain_step_seconds, share, 0.2)
+            self.plain_steps[len(lengths)] = _mean(self.plain_steps.get(len(lengths), 0.0), share, 0.2)
 
     def _ready(self, row: int, tokens: list[int], claimed: set[int]) -> Entry | None:
         """The row's entry, its last round recorded, if the row drafts this step."""
@@ -173,7 +176,7 @@ class DraftBook:
             started = self.clock()
             drafts = self.draft_rows([entry.state for entry in entries], [t for _, _, t in chosen], lengths)
             per_row_pass = (self.clock() - started) / (max(lengths) * len(chosen))
-            self.draft_step_seconds = _mean(self.draft_step_seconds, per_row_pass, 0.2)
+            self.draft_steps[self.active] = _mean(self.draft_step_seconds, per_row_pass, 0.2)
         except Exception:
             if len(chosen) > 1:
                 logger.warning(
@@ -228,6 +231,21 @@ class DraftBook:
             entry.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * entry.backoff))
             entry.resume_step = self.step + entry.backoff
             entry.rounds, entry.length = 0, pacing.first_length
+
+    @property
+    def draft_step_seconds(self) -> float:
+        """A row's share of a draft pass, at this step's number of active rows (0 while not timed)."""
+        return self.draft_steps.get(self.active, 0.0)
+
+    @property
+    def engine_step_seconds(self) -> float:
+        """A row's share of an engine step that verified drafts, at this step's number of active rows."""
+        return self.engine_steps.get(self.active, 0.0)
+
+    @property
+    def plain_step_seconds(self) -> float:
+        """A row's share of a plain engine step, at this step's number of active rows."""
+        return self.plain_steps.get(self.active, 0.0)
 
     def _hopeless(self) -> bool:
         """Whether no draft can pay, however many are kept: a row's share of a draft pass costs at least its share
