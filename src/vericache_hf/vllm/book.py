@@ -6,12 +6,13 @@ when the row's tokens extend the state's: the match is checked token for token, 
 extends any more (its request finished, or the engine moved it) is never reused; a row that finds none builds a
 new one. Losing track therefore costs a rebuild, never a draft on another request's K/V.
 
-Pacing (pays or stops): the engine's first decode step runs without drafts, to time a plain step. Each row drafts a
-length that doubles while its drafts are all kept and halves when most are rejected. The rows that draft in a step
-draft together, in one batched pass per token, and each is charged its share of those passes. A row whose rounds
-give fewer tokens per second than plain steps stops drafting, at the cost of one lookup a step, and probes again
-after a backoff that doubles each time it fails. Where a row's share of a draft pass costs as much as its share of a
-plain step, no draft length can pay, and the row stops after its first round.
+Pacing (pays or stops): the engine's decode steps run without drafts until a plain step of as many rows is timed
+(per number of rows: a row's share of a step depends on the batch). Each row drafts a length that doubles while its
+drafts are all kept and halves when most are rejected. The rows that draft in a step draft together, in one batched
+pass per token, and each is charged its share of those passes. A row whose rounds give fewer tokens per second than
+plain steps stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each
+time it fails. Where a row's share of a draft pass costs as much as its share of a plain step, no draft length can
+pay, and the row stops after its first round.
 """
 
 from __future__ import annotations
