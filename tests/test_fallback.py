@@ -106,13 +106,21 @@ def test_a_call_whose_rounds_are_all_plain_never_compresses(model):
     assert stats.plain_rounds == 19 and stats.draft_tier_builds == 0 and stats.compress_seconds == 0
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def press(name: str):
+    """A kvpress press at ratio 0.5: SnapKV keeps as many tokens in every layer, PyramidKV fewer in later layers
+    (which the adapter tops up to the largest layer's count)."""
+    kvpress = pytest.importorskip("kvpress")
+    return getattr(kvpress, name)(compression_ratio=0.5, window_size=8)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "SnapKVPress", "PyramidKVPress"])
 def test_a_query_aware_draft_tier_is_built_from_held_layer_inputs_and_kept_through_plain_rounds(
     llama, method
 ):
     ids = random_prompt(48, seed=4)
     stats = VeriCacheStats()
-    config = VeriCacheConfig(compressor=method, compression_ratio=0.5, stats=stats)
+    compressor = press(method) if method.endswith("Press") else method
+    config = VeriCacheConfig(compressor=compressor, compression_ratio=0.5, stats=stats)
     remember_plain_pays(llama, config, ids)
     assert torch.equal(vericache(llama, ids, config), stock(llama, ids))
     assert stats.plain_rounds >= 64 and stats.rounds >= 1

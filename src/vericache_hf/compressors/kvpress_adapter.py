@@ -64,6 +64,12 @@ class LayerResult:
     values: torch.Tensor
     valid: torch.Tensor
     indices: torch.Tensor | None  # (B, H, kept) original positions, None when the press transformed the keys
+    kept: int = field(
+        init=False
+    )  # slots the press kept (a deferred build commits more to the store before a top-up)
+
+    def __post_init__(self) -> None:
+        self.kept = self.store.length
 
 
 @dataclass
@@ -160,7 +166,7 @@ class KVPressCompressor(Compressor):
             finally:
                 if ratios is not None:
                     press.compression_ratio = saved
-        except (AttributeError, KeyError, TypeError, RuntimeError) as error:
+        except (AssertionError, AttributeError, KeyError, TypeError, RuntimeError) as error:
             raise ValueError(
                 f"kvpress {type(self.press).__name__} failed when called directly at prefill ({error!r}). Presses "
                 "that need attention weights (eager attention) or other hook-time state are not supported."
@@ -229,9 +235,9 @@ class KVPressCompressor(Compressor):
         self._layers[context.layer_idx] = result
         if context.layer_idx == context.model.config.num_hidden_layers - 1:
             layers, self._layers = self._layers, {}
-            target = max(r.store.length for r in layers.values())
+            target = max(r.kept for r in layers.values())
             for r in layers.values():
-                if r.store.length < target:
+                if r.kept < target:
                     top_up(r, target)
         return result.store
 
@@ -260,7 +266,9 @@ def match_indices(keys: torch.Tensor, kept: torch.Tensor) -> torch.Tensor | None
 
 
 def top_up(result: LayerResult, target: int) -> None:
-    """Add the layer's most recent dropped tokens until it holds `target` slots (all rows and heads alike)."""
+    """Add the layer's most recent dropped tokens until its kept slots number `target` (all rows and heads alike).
+    Slots its store took after the compression (a build from the full tier commits the tokens decoded since the
+    prompt layer by layer, before the last layer is compressed) stay after the kept ones."""
     if result.indices is None:
         raise ValueError(
             "This press keeps a different number of tokens per layer and changes the kept keys, so layers cannot be "
@@ -275,4 +283,7 @@ def top_up(result: LayerResult, target: int) -> None:
     fresh = TokenStore(
         gather(result.keys, indices), gather(result.values, indices), result.valid.gather(1, indices[:, 0])
     )
-    result.store.__dict__.update(fresh.__dict__)
+    store, later = result.store, slice(result.kept, result.store.length)
+    if later.start < later.stop:
+        fresh.commit(store.keys[:, :, later], store.values[:, :, later], store.valid_slots[:, later])
+    store.__dict__.update(fresh.__dict__)
