@@ -232,15 +232,12 @@ def draft_rows(
             ids = logits[:, -1].argmax(-1)[:, None]
             drafted.append(ids[:, 0])
             positions = positions[:, -1:] + 1
+        fed_valid = [torch.ones((1, len(feed)), dtype=torch.bool, device=device) for feed in feeds]
         for layer in layers:
             keys, values = layer.fed
             for row, (store, feed) in enumerate(zip(layer.stores, feeds, strict=True)):
                 fed = slice(most - len(feed), most)
-                store.commit(
-                    keys[row : row + 1, :, fed],
-                    values[row : row + 1, :, fed],
-                    torch.ones((1, len(feed)), dtype=torch.bool, device=keys.device),
-                )
+                store.commit(keys[row : row + 1, :, fed], values[row : row + 1, :, fed], fed_valid[row])
     tokens = torch.stack(drafted, dim=1).tolist()
     for state, feed, row, length in zip(states, feeds, tokens, lengths, strict=True):
         state.tokens.extend(feed)
