@@ -7,12 +7,14 @@ extends any more (its request finished, or the engine moved it) is never reused;
 new one. Losing track therefore costs a rebuild, never a draft on another request's K/V.
 
 Pacing (pays or stops): the engine's decode steps run without drafts until a plain step of as many rows is timed
-(per number of rows: a row's share of a step depends on the batch). Each row drafts a length that doubles while its
-drafts are all kept and halves when most are rejected. The rows that draft in a step draft together, in one batched
-pass per token, and each is charged its share of those passes. A row whose rounds give fewer tokens per second than
-plain steps stops drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each
-time it fails. Where a row's share of a draft pass costs as much as its share of a plain step, no draft length can
-pay, and the row stops after its first round.
+(per number of rows: a row's share of a step depends on the batch). The rows that draft in a step draft together,
+in one batched pass per token, and each is charged its share of those passes. Each row's draft length is the one
+whose rounds give the most tokens per second: its expected tokens, from the row's own acceptance curve (this
+library's `AcceptanceCurve`: how far its drafted runs got), over the row's share of that many draft passes and of
+the engine step that verifies them. A row whose best length gives fewer tokens per second than plain steps stops
+drafting, at the cost of one lookup a step, and probes again after a backoff that doubles each time it fails. Where
+a row's share of a draft pass costs as much as its share of a plain step, no draft length can pay: the row stops
+after its first round, and a probe that comes due while that still holds is skipped without drafting.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..schedule.measures import AcceptanceCurve
 from .draft import DraftState, draft_rows
 
 logger = logging.getLogger(__name__)
 
 KEY_TOKENS = 16  # states are indexed by their first tokens; the full match is checked on top
 FAILED_KEPT = 64  # prefixes of failed rows remembered
+ACCEPTANCE_DECAY = 0.8  # per round of the row: acceptance follows the text, which changes
 
 
 @dataclass
@@ -37,7 +41,7 @@ class Pacing:
     Parameters:
         max_length: most tokens drafted per row and step (the engine's `num_speculative_tokens`).
         first_length: a new row's first draft length, and a probe's.
-        min_length: the shortest length a drafting row falls to before it may stop.
+        min_length: the shortest length a row drafts.
         min_context: rows with fewer tokens never draft (a short context gains nothing from a compressed one).
         probe_rounds: rounds a row drafts before pacing may stop it.
         backoff_steps: steps a stopped row waits before it probes again (doubling per failed probe, up to 64x).
@@ -73,13 +77,13 @@ class Pacing:
 
 @dataclass
 class Entry:
-    """A state and its row's pacing."""
+    """A state and its row's pacing: its draft length, and how far its drafted runs got (`curve`)."""
 
     state: DraftState
     length: int
+    curve: AcceptanceCurve
     last_step: int = 0
     rounds: int = 0
-    kept_mean: float = 0.0  # drafts kept per round, a running mean over recent rounds
     resume_step: int = 0  # a stopped row drafts again from this step
     backoff: int = 0
 
@@ -164,7 +168,14 @@ class DraftBook:
         if entry.state.pending:
             self._record(entry, entry.state.accepted(tokens))
             entry.state.pending = []
-        return None if self.step < entry.resume_step else entry
+        if self.step < entry.resume_step:
+            return None
+        if (
+            entry.backoff and not entry.rounds and self._hopeless()
+        ):  # a probe that the costs known now rule out
+            self._stop(entry)
+            return None
+        return entry
 
     def _draft(self, chosen: list[tuple[int, Entry, list[int]]]) -> list[list[int]]:
         """The chosen rows' drafts, from one batched round. A round that fails is drafted again row by row, so
@@ -203,7 +214,10 @@ class DraftBook:
             # remembered, so that a build that fails is not tried again every step for the same request
             self.failed = [*self.failed[-(FAILED_KEPT - 1) :], tokens[:-1]]
             return None
-        entry = Entry(state, self.pacing.first_length, last_step=self.step)
+        pacing = self.pacing
+        entry = Entry(
+            state, pacing.first_length, AcceptanceCurve(ACCEPTANCE_DECAY, pacing.max_length), self.step
+        )
         self.entries.setdefault(tuple(tokens[:KEY_TOKENS]), []).append(entry)
         return entry
 
@@ -218,20 +232,27 @@ class DraftBook:
         return best
 
     def _record(self, entry: Entry, kept: int) -> None:
-        """A finished round: adapt the row's length, and stop it when its drafts do not pay."""
-        pacing, length = self.pacing, entry.length
+        """A finished round: the row's next length, or a stop when its drafts do not pay."""
         self.rounds += 1
         self.kept += kept
         entry.rounds += 1
-        entry.kept_mean = kept if entry.rounds == 1 else _mean(entry.kept_mean, kept, 0.3)
-        if kept == length:
-            entry.length = min(pacing.max_length, 2 * length)
-        elif kept < length / 2:
-            entry.length = max(pacing.min_length, length // 2)
-        if self._hopeless() or (entry.rounds >= pacing.probe_rounds and not self._pays(entry)):
-            entry.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * entry.backoff))
-            entry.resume_step = self.step + entry.backoff
-            entry.rounds, entry.length = 0, pacing.first_length
+        entry.curve.add([(entry.length, kept)])
+        rates = self._rates(entry)
+        if rates:
+            entry.length = max(rates, key=rates.get)
+        if self._hopeless() or (
+            entry.rounds >= self.pacing.probe_rounds
+            and rates
+            and rates[entry.length] < 1 / self.plain_step_seconds
+        ):
+            self._stop(entry)
+
+    def _stop(self, entry: Entry) -> None:
+        """No drafts for the row until a probe after its backoff, which doubles each time (up to 64 times)."""
+        pacing = self.pacing
+        entry.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * entry.backoff))
+        entry.resume_step = self.step + entry.backoff
+        entry.rounds, entry.length = 0, pacing.first_length
 
     @property
     def draft_step_seconds(self) -> float:
@@ -252,20 +273,23 @@ class DraftBook:
         """Whether no draft can pay, however many are kept: a row's share of a draft pass costs at least its share
         of a plain engine step. A round of L drafts gives at most L + 1 tokens for L passes and a step that costs at
         least a plain one, so it never beats L + 1 plain steps. Known after one round, so it stops a row without
-        the probe rounds that `_pays` waits for."""
+        the probe rounds that a stop for a slow rate waits for."""
         if not self.plain_step_seconds or not self.draft_step_seconds:
             return False
         return self.draft_step_seconds >= self.plain_step_seconds
 
-    def _pays(self, entry: Entry) -> bool:
-        """Whether the row's rounds give more tokens per second than plain steps: a round gives its kept drafts
-        plus the engine's own token, for the row's share of its draft passes and of the engine step that verifies
-        them."""
-        if not self.plain_step_seconds or not self.draft_step_seconds:
-            return True
+    def _rates(self, entry: Entry) -> dict[int, float]:
+        """Tokens per second of the row's rounds, per draft length (none until a draft pass and a plain step are
+        timed): the expected tokens of a round (its kept drafts plus the engine's own token) over the row's share of
+        its draft passes and of the engine step that verifies them."""
+        pacing, draft = self.pacing, self.draft_step_seconds
         verify = self.engine_step_seconds or self.plain_step_seconds
-        round_seconds = entry.length * self.draft_step_seconds + verify
-        return (entry.kept_mean + 1) / round_seconds >= 1 / self.plain_step_seconds
+        if not draft or not self.plain_step_seconds:
+            return {}
+        expected = entry.curve.expectations(pacing.max_length)
+        return {
+            k: expected[k] / (k * draft + verify) for k in range(pacing.min_length, pacing.max_length + 1)
+        }
 
     def _forget(self, entry: Entry) -> None:
         for key, entries in list(self.entries.items()):
