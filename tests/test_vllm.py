@@ -215,12 +215,13 @@ def test_book_stops_at_once_where_a_draft_pass_costs_an_engine_step():
             tokens = tokens + drafts + [1]  # the engine keeps every draft, and adds its own token
         assert drafted[0] == 0 and drafted[1] > 0, drafted
         assert (not any(drafted[2:])) is stops, drafted
-        assert (book.rounds == 1) is stops  # past the first backoff (32 steps), and the second, no probe drafted
+        # past the first backoff (32 steps), and the second, no probe drafted
+        assert (book.rounds == 1) is stops
 
 
-def test_a_row_drafts_the_length_whose_rounds_give_the_most_tokens_per_second():
+def test_the_batch_drafts_the_length_whose_rounds_give_the_most_tokens_per_second():
     """The row's drafts are kept five at a time (the engine rejects the sixth), a draft pass costs a fifth of an
-    engine step: a round of 5 drafts gives 6 tokens for 2 steps' time, the best rate of any length, and the row
+    engine step: a round of 5 drafts gives 6 tokens for 2 steps' time, the best rate of any length, and drafting
     settles there (it started at 4; longer rounds cost passes that nothing is kept from)."""
     book, clock = paced_book(draft_pass=0.02)
     tokens = list(range(1, 41))
@@ -233,7 +234,26 @@ def test_a_row_drafts_the_length_whose_rounds_give_the_most_tokens_per_second():
         tokens = tokens + kept + [(drafts[5] + 1) % 96 if len(drafts) > 5 else 1]
     assert drafted[0] == 0 and drafted[1] == 4, drafted
     assert any(n > 5 for n in drafted), drafted  # runs past 5 were tried
-    assert drafted[-10:].count(5) >= 8 and max(drafted[-10:]) <= 6, drafted  # now and then a run of 6 is tried
+    # now and then a run of 6 is tried again
+    assert drafted[-10:].count(5) >= 8 and max(drafted[-10:]) <= 6, drafted
+
+
+def test_drafting_is_decided_for_the_batch_whose_step_waits_for_every_pass():
+    """Two rows: the engine keeps every draft of the first, none of the second. A batched pass costs 0.06, a
+    plain step of both rows 0.1 (20 tokens/s). The first row's rounds alone would pay, but the batch's do not: a
+    round of L gives L + 2 tokens for 0.06 L + 0.1 s, under 20 tokens/s at every length. So both rows draft one
+    length while drafting is probed, and then neither drafts."""
+    book, clock = paced_book(draft_pass=0.06)
+    rows = [list(range(1, 41)), list(range(41, 81))]
+    drafted = []
+    for _ in range(12):
+        drafts = book.propose(rows)
+        clock.now += 0.1
+        drafted.append([len(d) for d in drafts])
+        rows = [rows[0] + drafts[0] + [1], rows[1] + [(drafts[1][0] + 1) % 96 if drafts[1] else 1]]
+    assert drafted[0] == [0, 0] and drafted[1][0] > 0, drafted
+    assert all(a == b for a, b in drafted), drafted  # one length for the batch
+    assert drafted[-4:] == [[0, 0]] * 4 and book.rounds >= 2 * book.pacing.probe_rounds, drafted
 
 
 def test_rows_drafted_together_continue_as_stock_generate():
