@@ -64,9 +64,8 @@ class LayerResult:
     values: torch.Tensor
     valid: torch.Tensor
     indices: torch.Tensor | None  # (B, H, kept) original positions, None when the press transformed the keys
-    kept: int = field(
-        init=False
-    )  # slots the press kept (a deferred build commits more to the store before a top-up)
+    # slots the press kept (a build from the full tier commits more to the store before the last layer's top-up)
+    kept: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.kept = self.store.length
