@@ -84,7 +84,6 @@ class Entry:
     state: DraftState
     curve: AcceptanceCurve
     last_step: int = 0
-    length: int = 0  # drafted in its pending round
 
 
 class DraftBook:
@@ -169,7 +168,7 @@ class DraftBook:
         entry.last_step = self.step
         if entry.state.pending:
             kept = entry.state.accepted(tokens)
-            entry.curve.add([(entry.length, kept)])
+            entry.curve.add([(len(entry.state.pending), kept)])
             self.rounds += 1
             self.kept += kept
             entry.state.pending = []
@@ -242,8 +241,6 @@ class DraftBook:
             self.failed_rows += 1
             self.failed = [*self.failed[-(FAILED_KEPT - 1) :], list(entries[0].state.tokens)]
             return [[]]
-        for entry, row_drafts in zip(entries, drafts, strict=True):
-            entry.length = len(row_drafts)
         self.probed += 1
         self.drafted += sum(map(len, drafts))
         return drafts
