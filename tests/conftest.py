@@ -28,6 +28,20 @@ from vericache_tools.redis_server import running_redis, server_binary
 VOCAB = 96
 
 
+#: The files that take minutes (real vLLM, the family matrix, the embedded model, the notebooks): handed to the
+#: workers first, so that the short files fill in around them and the workers finish together (`--dist loadfile`
+#: deals files out in collection order).
+LONG_FILES = ("test_vllm.py", "test_models.py", "test_real_model.py", "test_notebooks.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 def pytest_runtest_setup(item):
     """Tiny models run fastest on one thread (thread hand-offs dominate); the real model uses both cores."""
     torch.set_num_threads(2 if item.get_closest_marker("slow") else 1)

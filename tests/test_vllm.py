@@ -24,16 +24,13 @@ def runs(tmp_path_factory):
     """One run of the checks: vLLM without speculation, then with VeriCache drafting, on the same requests."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh to test the vLLM proposer")
-    from vericache_tools.embedded import MODEL_SUBDIR, default_cache_dir
+    from vericache_tools.embedded import embedded_model_dir
 
-    if not (default_cache_dir() / MODEL_SUBDIR / "config.json").exists():
-        pytest.skip(
-            "the embedded model's HF folder is missing: run `vericache-hf demo` once (or load_embedded_model)"
-        )
+    model = embedded_model_dir()  # the HF folder vLLM loads, converted from the GGUF where no test has yet
     out = tmp_path_factory.mktemp("vllm") / "runs.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
     done = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "tests.vllm_checks.parity", str(out)],
+        [str(VLLM_PYTHON), "-m", "tests.vllm_checks.parity", str(model), str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

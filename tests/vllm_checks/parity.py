@@ -1,5 +1,5 @@
 """Runs vLLM with and without VeriCache drafting on the same requests and writes what each produced to a JSON file.
-Run in the vLLM venv by tests/test_vllm.py: `python -m tests.vllm_checks.parity OUT.json`.
+Run in the vLLM venv by tests/test_vllm.py: `python -m tests.vllm_checks.parity MODEL_DIR OUT.json`.
 
 Requests: prompts of mixed lengths (one too short to draft), each with its own output length so that they finish
 at different steps and vLLM condenses its batch between them; two more fail inside the proposer, one while its
@@ -21,10 +21,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # engine and worker in this process: one vLLM start-up instead of three (a test's time is mostly start-up)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-MODEL = (
-    Path(os.environ.get("VERICACHE_HF_CACHE", Path.home() / ".cache" / "vericache_hf"))
-    / "smollm2-135m-instruct"
-)
 SOURCE = Path(__file__).resolve().parents[2] / "src" / "vericache_hf" / "cache" / "draft_tier.py"
 
 
@@ -59,14 +55,14 @@ def sampled_pairs(llm, prompt: list[int], samples: int) -> list[int]:
     return [list(out.outputs[0].token_ids) for out in outs]
 
 
-def main(out_path: str) -> None:
+def main(model: str, out_path: str) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from vericache_hf import VeriCacheConfig
     from vericache_hf.vllm.proposer import _settings
 
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model)
     reqs = requests(tokenizer)
     greedy = SamplingParams(temperature=0.0)
     common = {
@@ -78,7 +74,7 @@ def main(out_path: str) -> None:
     }
     results: dict = {"prompt_lengths": [len(ids) for ids, _ in reqs]}
 
-    plain = LLM(str(MODEL), **common)
+    plain = LLM(model, **common)
     results["plain"] = run(plain, reqs, greedy)
     sample_prompt = reqs[0][0][:600]
     samples = int(os.environ.get("VERICACHE_TEST_SAMPLES", 64))
@@ -104,7 +100,7 @@ def main(out_path: str) -> None:
     os.environ["VERICACHE_TEST_FAULTS"] = os.path.join(folder, "faults.json")
     proposer = "tests.vllm_checks.faulty_proposer.FaultyProposer"
     spec = {"method": "custom_class", "model": proposer, "num_speculative_tokens": 4}
-    drafting = LLM(str(MODEL), speculative_config=spec, **common)
+    drafting = LLM(model, speculative_config=spec, **common)
     results["vericache"] = run(drafting, reqs, greedy)
     results["stats"] = json.loads(Path(faults["stats"]).read_text())
     results["vericache_sampled"] = sampled_pairs(drafting, sample_prompt, len(results["plain_sampled"]))
@@ -121,10 +117,10 @@ def main(out_path: str) -> None:
         "model": "tests.vllm_checks.fixed_drafts.FixedDrafts",
         "num_speculative_tokens": 4,
     }
-    control = LLM(str(MODEL), speculative_config=spec, **common)
+    control = LLM(model, speculative_config=spec, **common)
     results["control_sampled"] = sampled_pairs(control, sample_prompt, len(results["plain_sampled"]))
     Path(out_path).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
