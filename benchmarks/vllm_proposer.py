@@ -10,6 +10,9 @@ time is the time to first token (TTFT) and which fills vLLM's prefix cache, then
 code prompts differ in their HumanEval problem, QA prompts are one question repeated. Accepted tokens per step are
 vLLM's own spec-decode counters (accepted drafts per drafting row and step). Greedy outputs are compared with
 plain vLLM's, token for token.
+
+With `--rounds N` the methods run in turn N times, so each round's ratios compare runs minutes apart, not a whole
+run's drift; the table gives each method's median over the rounds, and each round's ratio to plain beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: one start-up per method
@@ -119,6 +123,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.875)
     parser.add_argument("--max-draft", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=1, help="run the methods in turn this many times")
     parser.add_argument("--out", default="bench-results/vllm_proposer.json")
     args = parser.parse_args()
 
@@ -139,18 +144,21 @@ def main() -> None:
                 if args.cells is None or name in args.cells:
                     cells[name] = prompts(tokenizer, kind, length, batch)
     longest = max(len(ids) for batch in cells.values() for ids in batch)
-    runs = {}
+    rounds = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for method in args.methods:
-        # each method in a process of its own: vLLM's CPU build fails to start a third engine in one process
-        part = Path(args.out).with_suffix(f".{method}.json")
-        context = multiprocessing.get_context("spawn")
-        child = context.Process(target=run_method, args=(method, args, model, cells, longest, str(part)))
-        child.start()
-        child.join()
-        if child.exitcode != 0:
-            raise SystemExit(f"the {method} run failed (exit {child.exitcode}); see its output above")
-        runs[method] = json.loads(part.read_text())
+    for number in range(args.rounds):
+        runs = {}
+        for method in args.methods:
+            # each method in a process of its own: vLLM's CPU build fails to start a third engine in one process
+            part = Path(args.out).with_suffix(f".{method}.{number}.json")
+            context = multiprocessing.get_context("spawn")
+            child = context.Process(target=run_method, args=(method, args, model, cells, longest, str(part)))
+            child.start()
+            child.join()
+            if child.exitcode != 0:
+                raise SystemExit(f"the {method} run failed (exit {child.exitcode}); see its output above")
+            runs[method] = json.loads(part.read_text())
+        rounds.append(runs)
     report = {
         "command": "python benchmarks/vllm_proposer.py " + " ".join(sys.argv[1:]),
         "versions": {
@@ -162,7 +170,7 @@ def main() -> None:
             "machine": platform.processor() or platform.machine(),
         },
         "args": vars(args),
-        "runs": runs,
+        "rounds": rounds,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
@@ -170,21 +178,31 @@ def main() -> None:
 
 
 def table(report: dict) -> str:
-    runs = report["runs"]
-    plain = runs.get("plain", {})
+    """Per cell and method: the median over rounds of decode tokens/s, TTFT and accepted drafts per step; the median
+    of each round's ratio to plain, with the rounds' ratios beside it where there are several."""
+    rounds = report.get("rounds") or [report["runs"]]  # a one-run report keeps its methods under "runs"
     lines = [
         "| cell | method | decode tok/s | vs plain | TTFT s | accepted/step | greedy = plain |",
         "|---|---|---|---|---|---|---|",
     ]
-    for cell in next(iter(runs.values())):
-        for method, results in runs.items():
-            row = results[cell]
-            base = plain.get(cell)
-            ratio = f"{row['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
-            same = "yes" if base and row["tokens"] == base["tokens"] else ("-" if not base else "NO")
+    for cell in next(iter(rounds[0].values())):
+        for method in rounds[0]:
+            rows = [runs[method][cell] for runs in rounds]
+            bases = [runs.get("plain", {}).get(cell) for runs in rounds]
+            ratio, same = "-", "-"
+            if all(bases):
+                ratios = [
+                    row["decode_tok_s"] / base["decode_tok_s"] for row, base in zip(rows, bases, strict=True)
+                ]
+                ratio = f"{median(ratios):.2f}x"
+                if len(ratios) > 1 and method != "plain":
+                    ratio += " (" + ", ".join(f"{r:.2f}" for r in ratios) + ")"
+                equal = all(row["tokens"] == base["tokens"] for row, base in zip(rows, bases, strict=True))
+                same = "yes" if equal else "NO"
             lines.append(
-                f"| {cell} | {method} | {row['decode_tok_s']:.2f} | {ratio} | {row['ttft_s']:.1f} | "
-                f"{row['accepted_per_step']:.2f} | {same} |"
+                f"| {cell} | {method} | {median(r['decode_tok_s'] for r in rows):.2f} | {ratio} | "
+                f"{median(r['ttft_s'] for r in rows):.1f} | {median(r['accepted_per_step'] for r in rows):.2f} | "
+                f"{same} |"
             )
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@ passes agree to the last bit, so greedy VeriCache output must equal stock `gener
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 
@@ -42,9 +43,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: each file's tests keep their order
 
 
+def worker_threads() -> int:
+    """The cores each test worker has to itself. Two workers that each run two OpenMP threads on two cores wait on
+    each other's barriers: two 24-token `generate` calls of the embedded model ran 3.5x slower side by side at two
+    threads each than at one."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+def pytest_configure(config):
+    # in a worker, what its tests start (servers, notebook kernels, vLLM) takes the worker's share of the cores too
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads()))
+
+
 def pytest_runtest_setup(item):
-    """Tiny models run fastest on one thread (thread hand-offs dominate); the real model uses both cores."""
-    torch.set_num_threads(2 if item.get_closest_marker("slow") else 1)
+    """Tiny models run fastest on one thread (thread hand-offs dominate); the real model uses the worker's cores."""
+    torch.set_num_threads(worker_threads() if item.get_closest_marker("slow") else 1)
 
 
 @pytest.fixture(autouse=True)

@@ -29,6 +29,8 @@ def runs(tmp_path_factory):
     model = embedded_model_dir()  # the HF folder vLLM loads, converted from the GGUF where no test has yet
     out = tmp_path_factory.mktemp("vllm") / "runs.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    # vLLM's own binding would take cores of its own; unbound, it runs the threads this process is given
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     done = subprocess.run(
         [str(VLLM_PYTHON), "-m", "tests.vllm_checks.parity", str(model), str(out)],
         cwd=ROOT,
