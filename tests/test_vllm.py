@@ -1,7 +1,7 @@
 """VeriCache as a vLLM proposer, against real vLLM (CPU build) in its own venv, `.venv-vllm`
 (`scripts/setup_vllm.sh`). The checks run there in a subprocess (`tests/vllm_checks/parity.py`), so this process
 never imports vLLM; without that venv they are skipped. The draft book's row tracking is also tested here, on
-the embedded model, without vLLM.
+a tiny model, without vLLM.
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ def runs(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_greedy_output_is_vllms_own(runs):
     """Mixed prompt lengths and output lengths (rows finish at different steps and vLLM condenses its batch)."""
     assert len(set(runs["prompt_lengths"])) == len(runs["prompt_lengths"])
     assert runs["vericache"] == runs["plain"]
 
 
+@pytest.mark.slow
 def test_drafts_are_accepted_and_states_follow_their_requests(runs):
     stats = runs["stats"]
     assert stats["kept"] > 0, stats
@@ -62,6 +64,7 @@ def test_drafts_are_accepted_and_states_follow_their_requests(runs):
     assert stats["runner_kv"] and stats["prefilled_tokens"] == 4 * 32, stats
 
 
+@pytest.mark.slow
 def test_a_request_failing_in_the_proposer_gets_no_drafts(runs):
     """One request fails as its draft tier is built, one at its first drafting round: both finish as without drafts."""
     assert runs["stats"]["failed_rows"] == 2
@@ -78,6 +81,7 @@ def _z(plain: list[list[int]], drafted: list[list[int]]) -> float:
     return abs(p1 - p2) / math.sqrt(max(pooled * (1 - pooled), 1e-9) * 2 / len(plain))
 
 
+@pytest.mark.slow
 def test_sampling_keeps_the_distribution(runs):
     """The second token after the prompt is the first a draft decides: how often it equals its most common value
     must agree with vLLM's own sampling (|z| < 4, so a correct proposer fails about once in 16,000 runs; one that
@@ -216,6 +220,25 @@ def test_book_stops_at_once_where_a_draft_pass_costs_an_engine_step():
         assert (not any(drafted[2:])) is stops, drafted
         # past the first backoff (32 steps), and the second, no probe drafted
         assert (book.rounds == 1) is stops
+
+
+def test_book_stops_where_the_verify_step_costs_more_than_every_kept_draft_saves():
+    """A draft pass costs a little less than a plain step (0.08 against 0.1) and every draft is kept, but the step
+    that verifies drafts costs three plain ones: even a round of the longest drafts, all kept, gives fewer tokens
+    per second than plain steps. The row stops after the round that timed the verify step, and the probes its
+    backoff brings are skipped without a pass; where the verify step costs what a plain one does, it goes on."""
+    for verify, stops in ((0.3, True), (0.1, False)):
+        book, clock = paced_book(draft_pass=0.08)
+        tokens = list(range(1, 41))
+        drafted = []
+        for _ in range(80 if stops else 6):
+            drafts = book.propose([tokens])[0]
+            clock.now += verify if drafts else 0.1
+            drafted.append(len(drafts))
+            tokens = tokens + drafts + [1]
+        assert drafted[0] == 0 and drafted[1] > 0, drafted
+        assert (not any(drafted[3:])) is stops, drafted
+        assert (book.rounds <= 2) is stops, book.rounds
 
 
 def test_the_batch_drafts_the_length_whose_rounds_give_the_most_tokens_per_second():

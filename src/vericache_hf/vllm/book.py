@@ -210,12 +210,23 @@ class DraftBook:
         }
 
     def _hopeless(self, drafting: int) -> bool:
-        """Whether no draft can pay, however many are kept: a batched pass costs, per drafting row, at least what a
-        plain step costs per row. A round of L drafts gives each drafting row at most L + 1 tokens for L passes and
-        a step that costs at least a plain one, so it never beats L + 1 plain steps. Known after one round, so it
-        stops drafting without the probe rounds that a stop for a slow rate waits for."""
+        """Whether no draft can pay, however many are kept: even with every draft kept, a round of L drafts (L + 1
+        tokens for each drafting row, one for each other row, over L batched passes and the step that verifies
+        them) gives the batch fewer tokens per second than plain steps, for every L the pacing allows. The verify
+        step is priced at its timed cost (on a CPU it can cost several plain steps), or at a plain step's until one
+        is timed. Known after one round, so it stops drafting without the probe rounds that a stop for a slow rate
+        waits for, and skips the probes its backoff brings while it holds."""
+        pacing = self.pacing
         plain, draft = self.plain_steps.get(self.active, 0.0), self.draft_passes.get(drafting, 0.0)
-        return bool(plain and draft) and draft / drafting >= plain / self.active
+        if not (plain and draft):
+            return False
+        verify = max(plain, self.engine_steps.get(self.active, plain))
+        others = self.active - drafting
+        best = max(
+            (drafting * (k + 1) + others) / (k * draft + verify)
+            for k in range(pacing.min_length, pacing.max_length + 1)
+        )
+        return best <= self.active / plain
 
     def _draft(self, chosen: list[tuple[int, Entry, list[int]]], length: int) -> list[list[int]]:
         """The chosen rows' drafts, from one batched round. A round that fails is drafted again row by row, so
