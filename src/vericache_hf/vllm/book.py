@@ -176,12 +176,14 @@ class DraftBook:
 
     def _length(self, entries: list[Entry]) -> int:
         """How many tokens the rows with these entries draft this step: the length whose rounds give the batch the
-        most tokens per second (`_rates`), the first length while the costs are not timed, or 0 (no drafts)."""
+        most tokens per second (`_rates`, with each row's expected tokens), the first length while the costs are
+        not timed, or 0 (no drafts)."""
         pacing = self.pacing
         plain = self.plain_steps.get(self.active, 0.0)
         if (pacing.measure_plain and not plain) or self.step < self.resume_step:
             return 0
-        rates = self._rates(entries)
+        expected = [entry.curve.expectations(pacing.max_length) for entry in entries]
+        rates = self._rates(len(entries), lambda k: sum(e[k] for e in expected))
         if not rates:
             return pacing.first_length
         best = max(rates, key=rates.get)
@@ -193,40 +195,29 @@ class DraftBook:
             return 0
         return best
 
-    def _rates(self, entries: list[Entry]) -> dict[int, float]:
-        """The batch's tokens per second, per draft length (none until a pass of as many rows and a plain step of
-        the batch are timed): each drafting row's expected tokens and one for each other row, over that many
-        batched passes and the engine step that verifies them."""
+    def _rates(self, drafting: int, tokens: Callable[[int], float]) -> dict[int, float]:
+        """The batch's tokens per second for a round of each draft length k (none until a pass of `drafting` rows
+        and a plain step of the batch are timed): `tokens(k)` from the drafting rows and one from each other row,
+        over k batched passes and the engine step that verifies them, priced at its timed cost (on a CPU it can
+        cost several plain steps), or at a plain step's until one is timed."""
         pacing = self.pacing
-        plain, draft = self.plain_steps.get(self.active, 0.0), self.draft_passes.get(len(entries), 0.0)
+        plain, draft = self.plain_steps.get(self.active, 0.0), self.draft_passes.get(drafting, 0.0)
         if not plain or not draft:
             return {}
         verify = self.engine_steps.get(self.active, plain)
-        others = self.active - len(entries)
-        expected = [entry.curve.expectations(pacing.max_length) for entry in entries]
+        others = self.active - drafting
         return {
-            k: (sum(e[k] for e in expected) + others) / (k * draft + verify)
+            k: (tokens(k) + others) / (k * draft + verify)
             for k in range(pacing.min_length, pacing.max_length + 1)
         }
 
     def _hopeless(self, drafting: int) -> bool:
-        """Whether no draft can pay, however many are kept: even with every draft kept, a round of L drafts (L + 1
-        tokens for each drafting row, one for each other row, over L batched passes and the step that verifies
-        them) gives the batch fewer tokens per second than plain steps, for every L the pacing allows. The verify
-        step is priced at its timed cost (on a CPU it can cost several plain steps), or at a plain step's until one
-        is timed. Known after one round, so it stops drafting without the probe rounds that a stop for a slow rate
-        waits for, and skips the probes its backoff brings while it holds."""
-        pacing = self.pacing
-        plain, draft = self.plain_steps.get(self.active, 0.0), self.draft_passes.get(drafting, 0.0)
-        if not (plain and draft):
-            return False
-        verify = max(plain, self.engine_steps.get(self.active, plain))
-        others = self.active - drafting
-        best = max(
-            (drafting * (k + 1) + others) / (k * draft + verify)
-            for k in range(pacing.min_length, pacing.max_length + 1)
-        )
-        return best <= self.active / plain
+        """Whether no draft can pay, however many are kept: even with every draft kept (L + 1 tokens for each
+        drafting row), a round of any length L the pacing allows gives the batch fewer tokens per second than
+        plain steps. Known after one round, so it stops drafting without the probe rounds that a stop for a slow
+        rate waits for, and skips the probes its backoff brings while it holds."""
+        rates = self._rates(drafting, lambda k: drafting * (k + 1))
+        return bool(rates) and max(rates.values()) <= self.active / self.plain_steps[self.active]
 
     def _draft(self, chosen: list[tuple[int, Entry, list[int]]], length: int) -> list[list[int]]:
         """The chosen rows' drafts, from one batched round. A round that fails is drafted again row by row, so
