@@ -199,13 +199,15 @@ def test_book_stops_a_row_whose_drafts_do_not_pay():
         drafted.append(len(drafts))
         # the engine rejects every draft: the next token is never the first draft
         tokens = tokens + [(drafts[0] + 1) % 96 if drafts else 0]
-    assert drafted[0] == 0 and drafted[1] > 0 and drafted[-1] == 0, drafted  # a plain step, then drafts
+    assert drafted[:2] == [0, 0] and drafted[2] > 0 and drafted[-1] == 0, (
+        drafted
+    )  # two plain steps, then drafts
     assert book.rounds >= book.pacing.probe_rounds and book.kept == 0
 
 
 def test_book_stops_at_once_where_a_draft_pass_costs_an_engine_step():
-    """Every draft is kept, but a draft pass costs more than a plain engine step (timed by the first step, which
-    drafts nothing): no draft length can pay, so the row stops after its first round, without the probe rounds, and
+    """Every draft is kept, but a draft pass costs more than a plain engine step (timed by the second step; the
+    first two draft nothing): no draft length can pay, so the row stops after its first round, without the probe rounds, and
     the probes its backoff brings are skipped while that holds; with passes a tenth of a step it goes on."""
     for draft_pass, stops in ((0.2, True), (0.01, False)):
         book, clock = paced_book(draft_pass)
@@ -216,8 +218,8 @@ def test_book_stops_at_once_where_a_draft_pass_costs_an_engine_step():
             clock.now += 0.1
             drafted.append(len(drafts))
             tokens = tokens + drafts + [1]  # the engine keeps every draft, and adds its own token
-        assert drafted[0] == 0 and drafted[1] > 0, drafted
-        assert (not any(drafted[2:])) is stops, drafted
+        assert drafted[:2] == [0, 0] and drafted[2] > 0, drafted
+        assert (not any(drafted[3:])) is stops, drafted
         # past the first backoff (32 steps), and the second, no probe drafted
         assert (book.rounds == 1) is stops
 
@@ -236,9 +238,64 @@ def test_book_stops_where_the_verify_step_costs_more_than_every_kept_draft_saves
             clock.now += verify if drafts else 0.1
             drafted.append(len(drafts))
             tokens = tokens + drafts + [1]
-        assert drafted[0] == 0 and drafted[1] > 0, drafted
-        assert (not any(drafted[3:])) is stops, drafted
+        assert drafted[:2] == [0, 0] and drafted[2] > 0, drafted
+        assert (not any(drafted[4:])) is stops, drafted
         assert (book.rounds <= 2) is stops, book.rounds
+
+
+def test_the_plain_step_drafting_must_beat_is_a_steady_one():
+    """The first engine step after the prefill takes ten plain steps' time. Timed as the plain step, it would make
+    drafts at 0.15 a pass look cheap, and every draft is kept, so the row would draft on; the steady plain step (0.1)
+    is the one timed, against which no length can pay: one round, then no probe over 80 steps."""
+    book, clock = paced_book(draft_pass=0.15)
+    tokens = list(range(1, 41))
+    drafted = []
+    for step in range(80):
+        drafts = book.propose([tokens])[0]
+        clock.now += 1.0 if step == 0 else 0.1
+        drafted.append(len(drafts))
+        tokens = tokens + drafts + [1]
+    assert book.plain_steps[1] == pytest.approx(0.1)
+    assert book.rounds == 1 and sum(map(bool, drafted)) == 1, drafted
+
+
+def test_a_probe_that_the_rows_curves_say_does_not_pay_drafts_the_shortest_length_once():
+    """The engine keeps five drafts a round; a pass costs 0.08, a plain step 0.1 and the step that verifies drafts
+    0.22. Every draft kept could pay (not hopeless), but five kept do not, at any length: drafting stops after its
+    probe rounds. Each probe after that drafts the shortest length for one round, a look at the acceptance, not
+    the best length for three."""
+    book, clock = paced_book(draft_pass=0.08)
+    tokens = list(range(1, 41))
+    drafted = []
+    for _ in range(120):
+        drafts = book.propose([tokens])[0]
+        clock.now += 0.22 if drafts else 0.1
+        drafted.append(len(drafts))
+        tokens = tokens + drafts[:5] + [(drafts[5] + 1) % 96 if len(drafts) > 5 else 1]
+    first_stop = next(i for i in range(3, len(drafted)) if not drafted[i])
+    probes = [(i, n) for i, n in enumerate(drafted) if n and i > first_stop]
+    assert len(probes) >= 2, drafted  # the backoffs of 32 and 64 steps
+    assert all(n == book.pacing.min_length and not drafted[i + 1] for i, n in probes), drafted
+
+
+def test_drafting_stops_where_its_rounds_gave_less_than_plain_steps_however_the_model_priced_them():
+    """The step that verifies L drafts costs 0.1 + 0.1 L, which the cost model, one verify cost for every length,
+    underprices for long rounds: with every draft kept it would draft on at the longest length. What the rounds
+    gave (L + 1 tokens over the round's passes and its verify step) is below plain steps' 10 tokens/s at every
+    length, so drafting stops after its probe rounds, and each later probe drafts one round."""
+    book, clock = paced_book(draft_pass=0.02)
+    tokens = list(range(1, 41))
+    drafted = []
+    for _ in range(80):
+        drafts = book.propose([tokens])[0]
+        clock.now += 0.1 + 0.1 * len(drafts)
+        drafted.append(len(drafts))
+        tokens = tokens + drafts + [1]
+    probe_rounds = book.pacing.probe_rounds
+    assert all(drafted[2 : 2 + probe_rounds]) and not any(drafted[2 + probe_rounds : 30]), drafted
+    assert book.rounds <= probe_rounds + 2, (
+        drafted
+    )  # a probe of one round after each backoff (32, then 64 steps)
 
 
 def test_the_batch_drafts_the_length_whose_rounds_give_the_most_tokens_per_second():
@@ -254,7 +311,7 @@ def test_the_batch_drafts_the_length_whose_rounds_give_the_most_tokens_per_secon
         drafted.append(len(drafts))
         kept = drafts[:5]
         tokens = tokens + kept + [(drafts[5] + 1) % 96 if len(drafts) > 5 else 1]
-    assert drafted[0] == 0 and drafted[1] == 4, drafted
+    assert drafted[:2] == [0, 0] and drafted[2] == 4, drafted
     assert any(n > 5 for n in drafted), drafted  # runs past 5 were tried
     # now and then a run of 6 is tried again
     assert drafted[-10:].count(5) >= 8 and max(drafted[-10:]) <= 6, drafted
@@ -273,7 +330,7 @@ def test_drafting_is_decided_for_the_batch_whose_step_waits_for_every_pass():
         clock.now += 0.1
         drafted.append([len(d) for d in drafts])
         rows = [rows[0] + drafts[0] + [1], rows[1] + [(drafts[1][0] + 1) % 96 if drafts[1] else 1]]
-    assert drafted[0] == [0, 0] and drafted[1][0] > 0, drafted
+    assert drafted[:2] == [[0, 0]] * 2 and drafted[2][0] > 0, drafted
     assert all(a == b for a, b in drafted), drafted  # one length for the batch
     assert drafted[-4:] == [[0, 0]] * 4 and book.rounds >= 2 * book.pacing.probe_rounds, drafted
 

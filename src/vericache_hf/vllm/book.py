@@ -11,12 +11,16 @@ drafts holds up the rows that do not. The engine's decode steps run without draf
 rows is timed. Then, each step, the rows with a draft state draft together, in one batched pass per drafted token,
 all to one length: the one whose rounds give the batch the most tokens per second, that is, every drafting row's
 expected tokens (its kept drafts, from its own acceptance curve, this library's `AcceptanceCurve`, plus the engine's
-token) and one token for each other row, over that many batched passes and the engine step that verifies them.
-Where that rate is below plain steps', no row drafts, at the cost of one lookup a row and step, and the batch
-probes again after a backoff that doubles each time. Where a batched pass costs as much per drafting row as a plain
-step does per row, no length can pay (a round of L drafts gives at most L + 1 tokens a row): drafting stops after
-one round, and a probe that comes due while that still holds is skipped without drafting. Steps, passes and plain
-steps are timed per number of rows, on which they depend.
+token) and one token for each other row, over that many batched passes and the engine step that verifies them. Where
+that rate is below plain steps', or the rounds drafted since the start or the last probe gave less (the tokens the
+rows grew by over each round's whole time: the model can misprice a round, a verify step of long drafts costing more
+than of short ones), no row drafts, at the cost of one lookup a row and step, and the batch probes again after a
+backoff that doubles each time. A probe whose rows' curves still say drafting does not pay drafts the shortest
+length, one round, to see whether the text's acceptance has changed. Where even every draft kept could not pay at
+any length (a round of L drafts gives at most L + 1 tokens a row), drafting stops after one round, and a probe that
+comes due while that still holds is skipped without drafting. Steps, passes and plain steps are timed per number of
+rows, on which they depend; a plain step only after another, since the first after a prefill or a verify step runs
+slower than the steady ones.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class Pacing:
         first_length: the length drafted while the costs are not timed yet.
         min_length: the shortest length drafted.
         min_context: rows with fewer tokens never draft (a short context gains nothing from a compressed one).
-        probe_rounds: rounds drafted after a start or a probe before a rate below plain steps' stops drafting.
+        probe_rounds: rounds drafted after the first start before a rate below plain steps' stops drafting (after
+            a probe, one round: the rows' curves remember the rounds before the stop).
         backoff_steps: steps the batch waits after a stop before it probes again (doubling per stop, up to 64x).
         idle_steps: a state no row used for this many steps is dropped.
         measure_plain: before any draft, engine steps run without drafts until one plain step of as many rows is
@@ -107,9 +112,14 @@ class DraftBook:
         self.draft_passes: dict[int, float] = {}
         self.engine_steps: dict[int, float] = {}
         self.plain_steps: dict[int, float] = {}
+        # what drafted rounds gave, by the rows in the batch: the tokens the rows grew by over the round's whole
+        # time (the proposer's call and the engine step that verified), since the cost model can misprice a round
+        self.round_rates: dict[int, float] = {}
+        self.last_call = 0.0  # seconds the last call of `propose` took
         self.active = 0
         self.last_return: float | None = None
         self.last_drafted = False
+        self.last_plain = False  # whether the step that ended at the last call was a plain step of its rows
         self.last_lengths: dict[int, int] = {}  # each active row's token count at the last call
         self.probed = 0  # rounds drafted since drafting started or last probed
         self.resume_step = 0  # after a stop, the batch drafts again from this step
@@ -140,20 +150,30 @@ class DraftBook:
         self._drop_idle()
         self.last_drafted, self.last_lengths = any(drafts), lengths
         self.last_return = self.clock()
+        self.last_call = self.last_return - started
         return drafts
 
     def _time_step(self, now: float, lengths: dict[int, int]) -> None:
         """Time the engine step since the last call, where it was one step of the same rows: after a call that
-        drafted, each row grew; after one that did not, each grew by exactly one token (a plain step). Any other gap
-        (a new batch, rows reordered, the time between two `generate` calls) is not a step."""
+        drafted, each row grew; after one that did not, each grew by exactly one token (a plain step). A plain step
+        is timed only where the step before it was one too: the first step after a prefill, a verify step or a
+        change of batch runs slower than the steady ones that drafting must beat. Any other gap (a new batch, rows
+        reordered, the time between two `generate` calls) is not a step."""
         last = self.last_lengths
         if self.last_return is None or not lengths or any(row not in last for row in lengths):
+            self.last_plain = False
             return
         seconds, rows = now - self.last_return, len(lengths)
+        plain = not self.last_drafted and all(n == last[row] + 1 for row, n in lengths.items())
         if self.last_drafted and all(n > last[row] for row, n in lengths.items()):
             self.engine_steps[rows] = _mean(self.engine_steps.get(rows, 0.0), seconds, 0.2)
-        elif not self.last_drafted and all(n == last[row] + 1 for row, n in lengths.items()):
+            grown = sum(n - last[row] for row, n in lengths.items())
+            self.round_rates[rows] = _mean(
+                self.round_rates.get(rows, 0.0), grown / (self.last_call + seconds), 0.2
+            )
+        elif plain and self.last_plain:
             self.plain_steps[rows] = _mean(self.plain_steps.get(rows, 0.0), seconds, 0.2)
+        self.last_plain = plain
 
     def _ready(self, row: int, tokens: list[int], claimed: set[int]) -> Entry | None:
         """The row's entry, its last round recorded, if the row has a state to draft on."""
@@ -187,13 +207,18 @@ class DraftBook:
         if not rates:
             return pacing.first_length
         best = max(rates, key=rates.get)
-        if self._hopeless(len(entries)) or (
-            self.probed >= pacing.probe_rounds and rates[best] < self.active / plain
-        ):
+        pays = rates[best] >= self.active / plain
+        # what the rounds drafted since the last start or probe gave, however the model priced them
+        paid = self.round_rates.get(self.active, self.active / plain) >= self.active / plain
+        # after a stop, the rows' curves remember their earlier rounds: one round tells whether that still holds
+        rounds = 1 if self.backoff else pacing.probe_rounds
+        if self._hopeless(len(entries)) or (not (pays and paid) and self.probed >= rounds):
             self.backoff = min(64 * pacing.backoff_steps, max(pacing.backoff_steps, 2 * self.backoff))
             self.resume_step, self.probed = self.step + self.backoff, 0
+            self.round_rates.clear()
             return 0
-        return best
+        # a probe that the curves say does not pay drafts the shortest length: a look at the text's acceptance now
+        return best if pays or not self.backoff else pacing.min_length
 
     def _rates(self, drafting: int, tokens: Callable[[int], float]) -> dict[int, float]:
         """The batch's tokens per second for a round of each draft length k (none until a pass of `drafting` rows
