@@ -161,6 +161,47 @@ def test_a_model_whose_every_layer_slides_keeps_two_tiers():
     assert window_layers(layer_plan(model)) == {}
 
 
+@pytest.mark.parametrize("stage_on_cpu", [False, True])
+def test_a_model_whose_every_layer_slides_verifies_over_the_tail_its_windows_reach(monkeypatch, stage_on_cpu):
+    """Every layer slides by 8 tokens over a 40-token prompt, on a left-padded batch whose rows accept different
+    counts: the output is stock generate's, and each verify pass reads only the full tier's slots that some row's
+    window reaches (a window, the slots rows left masked inside it, and the block), not the whole context: read in
+    place on the host, or staged through copies."""
+    from vericache_hf.cache.layers import VeriCacheLayer
+
+    from .conftest import random_prompt, tiny_model
+
+    model = tiny_model("mistral", sliding_window=8)
+    ids = random_prompt(40, batch=3, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :9], mask[2, :17] = 0, 0
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    reads, verify = [], VeriCacheLayer._verify
+
+    def verify_reading(layer, keys, values):
+        read = verify(layer, keys, values)
+        reads.append((read[0].shape[2], layer.full.length + keys.shape[2]))
+        return read
+
+    monkeypatch.setattr(VeriCacheLayer, "_verify", verify_reading)
+    config = VeriCacheConfig(
+        compressor="snapkv", draft_length=5, draft_schedule="fixed", stage_on_cpu=stage_on_cpu
+    )
+    got = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        generation_mode="vericache",
+        vericache_config=config,
+    )
+    assert torch.equal(got, expected)
+    assert reads and reads[-1][1] >= 80, reads
+    # at most a window's 8 tokens, the 6 of the block and the slots rows left masked between them, while the
+    # context grows to 85 slots
+    assert max(read for read, _ in reads) <= 30 and reads[-1][0] < reads[-1][1] / 2, reads
+
+
 def test_a_chunked_window_keeps_each_row_from_the_chunk_of_its_next_position():
     """Chunks of 4: a row that has 9 tokens (2 dropped, 7 held) needs its 9th (the chunk of positions 8 to 11), one
     that has 12 needs nothing more, and a row with a hole counts only its real tokens."""

@@ -194,7 +194,6 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         config.compressor, config.compression_ratio, config.compression_budget, **config.compressor_kwargs
     )
     check_compressor(model, compressor)
-    recurrent, paired, stateless, windowed, chunked = cache_layout(model)
     cache = VeriCache(
         text_config(model).num_hidden_layers,
         compressor,
@@ -209,11 +208,7 @@ def _build_cache(model, config: VeriCacheConfig, stats: VeriCacheStats, transfer
         transfers=transfers,
         link_bytes_per_s=config.emulated_link_bytes_per_s,
         timeline=config.timeline,
-        recurrent=recurrent,
-        paired=paired,
-        stateless=stateless,
-        windowed=windowed,
-        chunked=chunked,
+        **cache_layout(model)._asdict(),
     )
     return compressor, cache
 

@@ -14,6 +14,7 @@ import inspect
 import sys
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -94,27 +95,52 @@ def recurrent_states(model: nn.Module) -> dict[int, int]:
     return {plan.index: plan.states for plan in layer_plan(model, strict=False) if plan.recurrent}
 
 
-def cache_layout(model: nn.Module) -> tuple[dict[int, int], set[int], set[int], dict[int, int], bool]:
-    """What `VeriCache` builds besides two-tier attention layers, from one plan: the recurrent layers with their
-    number of states, those of them that hold attention K/V too, the layers with nothing to cache, the sliding-window
-    or chunked layers that keep one exact tier on the device, each with its window (`window_layers`), and whether
-    those attend in chunks."""
+class CacheLayout(NamedTuple):
+    """What `VeriCache` builds besides two-tier attention layers (its keyword arguments of these names)."""
+
+    #: the recurrent layers, each with its number of states
+    recurrent: dict[int, int]
+    #: those of them that hold attention K/V too
+    paired: set[int]
+    #: the layers with nothing to cache
+    stateless: set[int]
+    #: the sliding-window or chunked layers that keep one exact tier on the device, each with its window
+    windowed: dict[int, int]
+    #: whether those attend in chunks
+    chunked: bool
+    #: the window of a model whose every attention layer slides by one window (`tail_window`)
+    verify_window: int | None
+
+
+def cache_layout(model: nn.Module) -> CacheLayout:
+    """What `VeriCache` builds besides two-tier attention layers, from one plan."""
     plans = layer_plan(model, strict=False)
     windows = window_layers(plans)
-    return (
-        {plan.index: plan.states for plan in plans if plan.recurrent},
-        {plan.index for plan in plans if plan.kind in PAIRED_KINDS},
-        {plan.index for plan in plans if plan.kind in STATELESS_KINDS},
-        windows,
-        any(plans[i].kind == CHUNKED_KIND for i in windows),
+    return CacheLayout(
+        recurrent={plan.index: plan.states for plan in plans if plan.recurrent},
+        paired={plan.index for plan in plans if plan.kind in PAIRED_KINDS},
+        stateless={plan.index for plan in plans if plan.kind in STATELESS_KINDS},
+        windowed=windows,
+        chunked=any(plans[i].kind == CHUNKED_KIND for i in windows),
+        verify_window=None if windows else tail_window(plans),
     )
+
+
+def tail_window(plans: list[LayerPlan]) -> int | None:
+    """The window of a model whose every attention layer is a sliding window of one size (Mistral v0.1, Phi-3,
+    Starcoder2): such a model keeps two tiers in every layer, and its verify passes read only the full tier's tail
+    that some row's window still reaches. None for any other model."""
+    attending = [plan for plan in plans if plan.attends]
+    sizes = {plan.window for plan in attending}
+    sliding = all(plan.kind in SLIDING_KINDS for plan in attending)
+    return sizes.pop() if attending and sliding and len(sizes) == 1 and None not in sizes else None
 
 
 def window_layers(plans: list[LayerPlan]) -> dict[int, int]:
     """The sliding-window or chunked layers served by one exact tier on the device (`cache/window.py`), with their
     window or chunk: those of a model that also has full-attention layers, whose draft tier is where compression
     saves. Where every attention layer is windowed, the windows keep two tiers, since drafting over a compressed
-    window is the only saving left; and windows of different sizes or kinds (sliding and chunked) would need masks
+    window is the only saving left (their verify passes read the tail a window reaches, `tail_window`); and windows of different sizes or kinds (sliding and chunked) would need masks
     of their own, so they keep two tiers too."""
     windows = {
         plan.index: plan.window

@@ -137,8 +137,10 @@ class VeriCacheLayer(PhasedLayer):
             owner.prefix_load.await_layer(self.layer_idx)
         self.pending = (keys, values)
         self.pending_in_place = self.reads_in_place
+        start = owner.verify_start  # a sliding model's pass reads the tail its windows reach
         if self.pending_in_place:
-            return self.full.extend_view(keys, values)
+            full_keys, full_values = self.full.extend_view(keys, values)
+            return full_keys[:, :, start:], full_values[:, :, start:]
         if owner.stream.streams(self.layer_idx):  # attention reads the full tier chunk by chunk, then these
             if owner.running_pass is not None:  # the pass is told, so that its attention reads them
                 owner.running_pass.streamed.add(self.layer_idx)
@@ -146,12 +148,12 @@ class VeriCacheLayer(PhasedLayer):
         staged_keys, staged_values = owner.stream.staged(self.layer_idx)
         stored, end = self.full.length, self.full.length + keys.shape[-2]
         if staged_keys.shape[2] < end:  # more tokens than the room announced when drafting started
-            staged_keys = torch.cat([staged_keys[:, :, :stored], keys], dim=2)
-            staged_values = torch.cat([staged_values[:, :, :stored], values], dim=2)
+            staged_keys = torch.cat([staged_keys[:, :, start:stored], keys], dim=2)
+            staged_values = torch.cat([staged_values[:, :, start:stored], values], dim=2)
             return staged_keys, staged_values
         staged_keys[:, :, stored:end] = keys
         staged_values[:, :, stored:end] = values
-        return staged_keys[:, :, :end], staged_values[:, :, :end]
+        return staged_keys[:, :, start:end], staged_values[:, :, start:end]
 
     def commit(self, count: int, valid: torch.Tensor) -> None:
         """Keep the first `count` verified tokens in both tiers; forget the rest."""
@@ -173,7 +175,8 @@ class VeriCacheLayer(PhasedLayer):
         return self.full.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        start = self.owner.verify_start if self.owner.phase == "verifying" else 0
+        return self.get_seq_length() + query_length - start, start
 
     def get_max_length(self) -> int:
         return -1

@@ -188,8 +188,7 @@ def _rebuilt(
 ) -> VeriCache:
     """A cache with `template`'s settings, stats and transfer queue, holding the given full tier (each layer's
     (B, H, T, D) keys and values, `valid` (B, T); a window layer's keys, values, validity and dropped tokens of its
-    own) and draft
-    tier (None: rebuilt when drafting next needs it)."""
+    own) and draft tier (None: rebuilt when drafting next needs it)."""
     cache = VeriCache(
         len(template.layers),
         template.compressor,
@@ -202,6 +201,7 @@ def _rebuilt(
         stage_on_cpu=template.stage_on_cpu,
         windowed={layer.layer_idx: layer.window for layer in template.windowed},
         chunked=template.chunked,
+        verify_window=template.verify_window,
     )
     for i, (layer, old) in enumerate(zip(cache.layers, template.layers, strict=True)):
         if isinstance(layer, WindowLayer):

@@ -56,7 +56,7 @@ from .recurrent import RecurrentLayer
 from .refresh import RefreshPolicy
 from .streaming import FullTierStream
 from .transfer import TransferEngine
-from .window import WindowLayer
+from .window import WindowLayer, first_needed
 
 
 class VeriCache(Cache):
@@ -68,7 +68,8 @@ class VeriCache(Cache):
     (`verify_attention.KERNELS`); `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
     full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
     place. `windowed` maps the layers that keep one exact tier (`window.py`) to their window, in chunks of it where
-    `chunked` (Llama 4's chunked attention). Pass a shared `transfers` engine to serve several caches through one
+    `chunked` (Llama 4's chunked attention). `verify_window` is the window of a model whose every attention layer
+    slides by it: its verify passes read only the full tier's tail that a row's window reaches. Pass a shared `transfers` engine to serve several caches through one
     queue (its own buffer count, timeout and link then apply); `link_bytes_per_s` emulates a slower link for a
     private one (benchmarks only), and its copies are recorded in `timeline` when one is given.
     """
@@ -93,6 +94,7 @@ class VeriCache(Cache):
         stateless: set[int] | None = None,
         windowed: dict[int, int] | None = None,
         chunked: bool = False,
+        verify_window: int | None = None,
     ) -> None:
         if staging_chunk_tokens is not None:
             check_int("staging_chunk_tokens", staging_chunk_tokens)
@@ -147,6 +149,9 @@ class VeriCache(Cache):
         #: device
         self.windowed: list[WindowLayer] = [layer for layer in self.layers if isinstance(layer, WindowLayer)]
         self.chunked = chunked and bool(self.windowed)
+        self.verify_window = verify_window
+        #: the first full-tier slot the running verify pass reads (`_verify_start`)
+        self.verify_start = 0
         self.stream = FullTierStream(
             self.tiered,
             self.stats,
@@ -350,6 +355,7 @@ class VeriCache(Cache):
             )
         self.stream.prefetch()  # unless drafting queued a round that still matches the full tier
         self.running_pass = self.verify_pass()
+        self.verify_start = self._verify_start()
         for layer in self.recurrent:
             layer.record_states()
         try:
@@ -367,7 +373,22 @@ class VeriCache(Cache):
             raise
         finally:
             self.running_pass = None
+            self.verify_start = 0
             self.stream.end_round()
+
+    def _verify_start(self) -> int:
+        """The first full-tier slot a verify pass reads: for a model whose every layer slides by one window, the
+        first slot that some row's last `window` real tokens reach (no query of the pass reaches further back), so
+        its attention reads a window's slots however long the context; 0 for any other model, while a stored
+        prefix loads, and where a layer's full tier arrives in chunks (its attention reads every chunk)."""
+        window = self.verify_window
+        if (
+            window is None
+            or self.prefix_load.loading
+            or any(self.stream.streams(layer.layer_idx) for layer in self.tiered)
+        ):
+            return 0
+        return first_needed(self.full_valid, window)
 
     def verify_pass(self) -> VerifyPass:
         """What the coming verify pass hands its attention layers: the kernel for the layers' device, whether every
