@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-import vericache_hf
 from vericache_hf import VeriCacheConfig
 from vericache_hf.compressors import (
     KIVICompressor,
@@ -76,26 +75,6 @@ def test_prompt_longer_than_the_model_allows_is_refused():
     model = tiny_model("llama", max_position_embeddings=32)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         run(model, random_prompt(40))
-
-
-def test_sliding_window_rows_with_ragged_acceptance_match_stock():
-    """A window shorter than the prompt, on a left-padded batch whose rows accept different counts: the window
-    counts each row's positions, as stock's contiguous rows do, not the slots its rejected drafts left masked."""
-    model = tiny_model("mistral", sliding_window=8)
-    ids = random_prompt(40, batch=3, seed=4)
-    mask = torch.ones_like(ids)
-    mask[1, :9], mask[2, :17] = 0, 0
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
-    config = vericache_hf.VeriCacheConfig(compressor="snapkv", draft_length=5, draft_schedule="fixed")
-    got = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=30,
-        do_sample=False,
-        generation_mode="vericache",
-        vericache_config=config,
-    )
-    assert torch.equal(got, expected)
 
 
 def test_a_window_counts_positions_where_a_row_has_holes():

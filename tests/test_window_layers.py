@@ -13,6 +13,7 @@ import torch
 from transformers.masking_utils import chunked_causal_mask_function, sdpa_mask
 
 from vericache_hf import RequestStatus, VeriCacheConfig, VeriCacheStats
+from vericache_hf.cache.layers import VeriCacheLayer
 from vericache_hf.cache.window import WindowLayer, first_needed, held_slots
 from vericache_hf.decoding import _build_cache
 from vericache_hf.layer_plan import LayerPlan, layer_plan, window_layers
@@ -21,6 +22,7 @@ from vericache_hf.window_mask import WINDOW_DROPPED, window_aware
 from vericache_tools.families import prompts, stock_greedy, vericache_greedy
 from vericache_tools.families import tiny_model as family_model
 
+from .conftest import random_prompt, tiny_model
 from .test_cohorts import serve
 from .test_engine import stock
 
@@ -164,13 +166,10 @@ def test_a_model_whose_every_layer_slides_keeps_two_tiers():
 @pytest.mark.parametrize("stage_on_cpu", [False, True])
 def test_a_model_whose_every_layer_slides_verifies_over_the_tail_its_windows_reach(monkeypatch, stage_on_cpu):
     """Every layer slides by 8 tokens over a 40-token prompt, on a left-padded batch whose rows accept different
-    counts: the output is stock generate's, and each verify pass reads only the full tier's slots that some row's
-    window reaches (a window, the slots rows left masked inside it, and the block), not the whole context: read in
-    place on the host, or staged through copies."""
-    from vericache_hf.cache.layers import VeriCacheLayer
-
-    from .conftest import random_prompt, tiny_model
-
+    counts: the output is stock generate's (the window counts each row's positions, as stock's contiguous rows do,
+    not the slots its rejected drafts left masked), and each verify pass reads only the full tier's slots that some
+    row's window reaches (a window, the slots rows left masked inside it, and the block), not the whole context:
+    read in place on the host, or staged through copies."""
     model = tiny_model("mistral", sliding_window=8)
     ids = random_prompt(40, batch=3, seed=4)
     mask = torch.ones_like(ids)
