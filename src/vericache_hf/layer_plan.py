@@ -140,8 +140,8 @@ def window_layers(plans: list[LayerPlan]) -> dict[int, int]:
     """The sliding-window or chunked layers served by one exact tier on the device (`cache/window.py`), with their
     window or chunk: those of a model that also has full-attention layers, whose draft tier is where compression
     saves. Where every attention layer is windowed, the windows keep two tiers, since drafting over a compressed
-    window is the only saving left (their verify passes read the tail a window reaches, `tail_window`); and windows of different sizes or kinds (sliding and chunked) would need masks
-    of their own, so they keep two tiers too."""
+    window is the only saving left (their verify passes read the tail a window reaches, `tail_window`); and windows
+    of different sizes or kinds (sliding and chunked) would need masks of their own, so they keep two tiers too."""
     windows = {
         plan.index: plan.window
         for plan in plans

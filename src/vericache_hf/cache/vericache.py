@@ -65,13 +65,14 @@ class VeriCache(Cache):
     `chunk_tokens` is the granule the host full tier grows by; `staging_buffers` is how many pieces of the full tier
     may be on an accelerator at once, each a layer that fits in `staging_chunk_tokens` or one chunk of that many
     tokens of a longer layer (None: whole layers, however long); `verify_attention` is the verify pass's kernel
-    (`verify_attention.KERNELS`); `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the
-    full tier through the staging buffers even when a layer's device is the CPU, where by default it is read in
-    place. `windowed` maps the layers that keep one exact tier (`window.py`) to their window, in chunks of it where
+    (`verify_attention.KERNELS`); `transfer_timeout` bounds every wait on a transfer; `stage_on_cpu` copies the full
+    tier through the staging buffers even when a layer's device is the CPU, where by default it is read in place.
+    `windowed` maps the layers that keep one exact tier (`window.py`) to their window, in chunks of it where
     `chunked` (Llama 4's chunked attention). `verify_window` is the window of a model whose every attention layer
-    slides by it: its verify passes read only the full tier's tail that a row's window reaches. Pass a shared `transfers` engine to serve several caches through one
-    queue (its own buffer count, timeout and link then apply); `link_bytes_per_s` emulates a slower link for a
-    private one (benchmarks only), and its copies are recorded in `timeline` when one is given.
+    slides by it: its verify passes read only the full tier's tail that a row's window reaches. Pass a shared
+    `transfers` engine to serve several caches through one queue (its own buffer count, timeout and link then
+    apply); `link_bytes_per_s` emulates a slower link for a private one (benchmarks only), and its copies are
+    recorded in `timeline` when one is given.
     """
 
     def __init__(
